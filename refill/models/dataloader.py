@@ -1,0 +1,105 @@
+"""The data loader and the spare pool, both kept in the ledger.
+
+The loader's order within an epoch is a permutation seeded by (run seed, epoch), so its whole
+state is (epoch, cursor) on the run row and a restarted controller draws exactly the prompts a
+live one would have. The spare pool holds prompts drawn ahead to serve replacements; it is
+topped up by one batch of `num_prompts_per_step` whenever it falls below
+`rollout_failure.replacement_reserve_prompts`, in the same transaction that took from it, so
+it can only be empty when the loader is exhausted (SPEC §3.4).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+from sqlalchemy import select
+
+from refill.models.context import RunContext
+from refill.models.decisions import spare_refill_needed
+from refill.models.tables import Prompt, SparePrompt
+
+
+@lru_cache(maxsize=32)
+def epoch_order(num_prompts: int, seed: int, epoch: int, shuffle: bool) -> tuple[int, ...]:
+    if not shuffle:
+        return tuple(range(num_prompts))
+    rng = np.random.default_rng([seed, epoch])
+    return tuple(int(i) for i in rng.permutation(num_prompts))
+
+
+def draw(ctx: RunContext, count: int) -> list[int]:
+    """Take up to `count` prompt ids from the loader (fewer only when it is exhausted)."""
+    run, settings = ctx.run, ctx.settings
+    positions: list[int] = []
+    while len(positions) < count and not run.loader_exhausted:
+        order = epoch_order(run.num_prompts, settings.seed, run.loader_epoch, settings.shuffle)
+        take = order[run.loader_cursor : run.loader_cursor + count - len(positions)]
+        positions.extend(take)
+        run.loader_cursor += len(take)
+        if run.loader_cursor >= run.num_prompts:
+            run.loader_epoch += 1
+            run.loader_cursor = 0
+            if settings.max_num_epochs is not None and run.loader_epoch >= settings.max_num_epochs:
+                run.loader_exhausted = True
+    if not positions:
+        return []
+    by_position = dict(
+        ctx.session.execute(
+            select(Prompt.position, Prompt.id).where(
+                Prompt.run_id == run.id, Prompt.position.in_(positions)
+            )
+        ).all()
+    )
+    return [by_position[p] for p in positions]
+
+
+def refill_spare_pool(ctx: RunContext) -> int:
+    """Top the pool up by one loader batch if it is below the low-water mark."""
+    settings = ctx.settings
+    if not settings.needs_spare_pool:
+        return 0
+    if not spare_refill_needed(ctx.spare_count, settings.replacement_reserve_prompts, ctx.run.loader_exhausted):
+        return 0
+    prompt_ids = draw(ctx, settings.num_prompts_per_step)
+    ctx.session.add_all(
+        SparePrompt(run_id=ctx.run.id, prompt_id=pid, epoch=ctx.run.loader_epoch, added_at=ctx.now)
+        for pid in prompt_ids
+    )
+    ctx.spare_changed(len(prompt_ids))
+    return len(prompt_ids)
+
+
+def add_to_pool(ctx: RunContext, prompt_ids: list[int]) -> None:
+    ctx.session.add_all(
+        SparePrompt(run_id=ctx.run.id, prompt_id=pid, epoch=ctx.run.loader_epoch, added_at=ctx.now)
+        for pid in prompt_ids
+    )
+    ctx.spare_changed(len(prompt_ids))
+
+
+def take_spare(ctx: RunContext) -> SparePrompt | None:
+    """The oldest spare prompt, or None when the pool is dry and the loader exhausted."""
+    if ctx.spare_count == 0:
+        # Only reachable when the mark is below one batch and the last take emptied the pool
+        # while the loader still has prompts; draw now rather than shrink a step needlessly.
+        if ctx.run.loader_exhausted:
+            return None
+        ctx.session.flush()
+        add_to_pool(ctx, draw(ctx, ctx.settings.num_prompts_per_step))
+        if ctx.spare_count == 0:
+            return None
+    ctx.session.flush()
+    spare = ctx.session.scalars(
+        select(SparePrompt)
+        .where(SparePrompt.run_id == ctx.run.id, SparePrompt.taken_at.is_(None))
+        .order_by(SparePrompt.id)
+        .limit(1)
+    ).first()
+    if spare is None:
+        ctx._spare_count = 0
+        return None
+    spare.taken_at = ctx.now
+    ctx.spare_changed(-1)
+    refill_spare_pool(ctx)
+    return spare

@@ -1,0 +1,175 @@
+"""Connections to the ledger and the unit of work every ledger operation runs in.
+
+PostgreSQL is the production ledger; SQLite is the embedded default. The differences that
+matter are handled here and nowhere else:
+
+- SQLite has one writer at a time. pysqlite would start a transaction lazily on the first
+  write, so two readers could both try to upgrade and one would fail with "database is locked"
+  instead of waiting; we emit `BEGIN IMMEDIATE` so a transaction takes the write lock up front
+  and waits for it (busy_timeout).
+- PostgreSQL serialises writers of one run with `SELECT ... FOR UPDATE` on the run row
+  (`lock_run`), which SQLite does not need.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TypeVar
+
+from sqlalchemy import Engine, create_engine, event, select
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.orm import Session, sessionmaker
+
+from refill.models.tables import Run
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: SQLSTATEs after which the whole transaction can simply run again.
+_RETRYABLE_SQLSTATES = {
+    "40001",  # serialization_failure
+    "40P01",  # deadlock_detected
+    "57P01",  # admin_shutdown (pg_terminate_backend)
+    "08000",
+    "08003",
+    "08006",  # connection exceptions
+}
+
+
+def redact(url: str) -> str:
+    """A URL fit for logs and terminals: the password, if any, replaced by ***."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001 - a malformed URL must still never print its secret
+        return "<unparseable URL>"
+
+
+def make_engine(url: str, *, echo: bool = False) -> Engine:
+    """An Engine for the ledger at `url` (a SQLAlchemy URL)."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        engine = create_engine(
+            url,
+            echo=echo,
+            connect_args={"check_same_thread": False, "timeout": 60},
+            # The embedded runner uses the ledger from several threads.
+            pool_size=8,
+            max_overflow=8,
+        )
+        _configure_sqlite(engine)
+        return engine
+    if parsed.get_backend_name() == "postgresql" and parsed.drivername == "postgresql":
+        # Plain postgresql:// would pick psycopg2, which refill does not depend on.
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    return create_engine(
+        parsed, echo=echo, pool_pre_ping=True, pool_size=10, max_overflow=20, pool_recycle=1800
+    )
+
+
+def _configure_sqlite(engine: Engine) -> None:
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection, _record):  # type: ignore[no-untyped-def]
+        # Let SQLAlchemy, not pysqlite, decide when transactions begin (see module doc).
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute("PRAGMA busy_timeout=60000")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(connection):  # type: ignore[no-untyped-def]
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def is_retryable(error: BaseException) -> bool:
+    """True for failures after which re-running the whole transaction is safe and useful."""
+    if isinstance(error, DBAPIError) and error.connection_invalidated:
+        return True
+    orig = getattr(error, "orig", None)
+    sqlstate = getattr(orig, "sqlstate", None)
+    if sqlstate in _RETRYABLE_SQLSTATES:
+        return True
+    if isinstance(error, OperationalError):
+        message = str(orig or error).lower()
+        return any(
+            s in message
+            for s in ("database is locked", "server closed the connection", "connection", "terminating")
+        )
+    return False
+
+
+class Ledger:
+    """The ledger's connection and unit of work.
+
+    `ledger.transaction(fn)` runs `fn(session)` in one transaction and commits, retrying the
+    whole function on deadlocks, serialisation failures and dropped connections; everything
+    fn does is therefore either applied once or not at all.
+    """
+
+    def __init__(self, url: str, *, engine: Engine | None = None) -> None:
+        self.url = url
+        self.engine = engine or make_engine(url)
+        self.dialect = self.engine.dialect.name
+        self.sessions = sessionmaker(self.engine, expire_on_commit=False)
+
+    def __repr__(self) -> str:
+        return f"Ledger({redact(self.url)})"
+
+    @contextmanager
+    def session(self) -> Iterator[Session]:
+        """A session in one transaction (commit on success, rollback on error); no retry."""
+        with self.sessions.begin() as session:
+            yield session
+
+    def transaction(
+        self, fn: Callable[[Session], T], *, attempts: int = 8, what: str = "ledger write"
+    ) -> T:
+        delay = 0.05
+        for attempt in range(1, attempts + 1):
+            try:
+                with self.sessions.begin() as session:
+                    return fn(session)
+            except (OperationalError, DBAPIError) as error:
+                if attempt == attempts or not is_retryable(error):
+                    raise
+                log.warning(
+                    "%s failed (%s); retrying (%d/%d)",
+                    what,
+                    type(getattr(error, "orig", error)).__name__,
+                    attempt,
+                    attempts,
+                )
+                time.sleep(delay * (1 + random.random()))
+                delay = min(delay * 2, 2.0)
+        raise AssertionError("unreachable")
+
+    def dispose(self) -> None:
+        self.engine.dispose()
+
+
+def lock_run(session: Session, run_id: int) -> Run:
+    """Load a run's row and hold its lock until the transaction ends.
+
+    Every write that changes a run's scheduling state goes through here first, so decisions
+    over its slots, spare pool and counters see a consistent snapshot and never interleave.
+    """
+    run = session.execute(
+        select(Run).where(Run.id == run_id).with_for_update()
+    ).scalar_one_or_none()
+    if run is None:
+        raise UnknownRun(run_id)
+    return run
+
+
+class UnknownRun(LookupError):
+    def __init__(self, run_id: int) -> None:
+        super().__init__(f"there is no run {run_id} in this ledger")
+        self.run_id = run_id

@@ -1,0 +1,246 @@
+"""The decisions of SPEC §3 as pure functions: no database, no Celery, no clock.
+
+`refill.models.ledger` loads rows, asks these functions what to do, and writes the answer.
+Keeping them pure is what lets every branch be tested exhaustively and quickly
+(`tests/unit/test_decisions.py`), and what lets the virtual-time benchmark drive the
+production scheduling code.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from refill.models.payload import ResultMessage
+
+
+# --- the zero-variance filter ------------------------------------------------------------
+
+
+def reward_spread(rewards: Sequence[float]) -> float:
+    return max(rewards) - min(rewards) if rewards else 0.0
+
+
+def is_zero_variance(rewards: Sequence[float], tolerance: float = 0.0) -> bool:
+    """A group whose raw rewards are all equal (within `tolerance`) carries no GRPO signal:
+    every advantage would be zero. Judged on the raw reward, before any shaping."""
+    return reward_spread(rewards) <= tolerance
+
+
+# --- payload checks (SPEC §3.2) ----------------------------------------------------------
+
+
+def payload_problem(
+    result: ResultMessage, group_size: int, vocab_size: int | None = None
+) -> str | None:
+    """Why a finished generation cannot be used, or None when it can."""
+    if len(result.completions) != group_size:
+        return f"group has {len(result.completions)} completions, the run expects {group_size}"
+    if len(result.rewards) != group_size:
+        return f"group has {len(result.rewards)} rewards for {group_size} completions"
+    for i, reward in enumerate(result.rewards):
+        if not math.isfinite(reward):
+            return f"reward of completion {i} is {reward}, not a finite number"
+    if not result.prompt_token_ids:
+        return "prompt_token_ids is empty"
+    for where, ids in [("prompt", result.prompt_token_ids)] + [
+        (f"completion {i}", c.token_ids) for i, c in enumerate(result.completions)
+    ]:
+        for token in ids:
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                return f"{where} has token id {token!r}; token ids are non-negative integers"
+            if vocab_size is not None and token >= vocab_size:
+                return f"{where} has token id {token}, outside the vocabulary of {vocab_size}"
+    for i, completion in enumerate(result.completions):
+        for logprob in completion.logprobs:
+            if not isinstance(logprob, (int, float)) or not math.isfinite(logprob) or logprob > 1e-3:
+                return f"completion {i} has log-prob {logprob!r}; log-probs are finite and <= 0"
+    return None
+
+
+# --- dynamic-sampling budget (SPEC §3.3) -------------------------------------------------
+
+
+def expected_exhausted_slots(p: float, budget: int, num_prompts_per_step: int, max_num_steps: int) -> float:
+    """Expected number of slots in a run whose zero-variance draws exceed the budget.
+
+    A slot exhausts its budget when `budget + 1` draws in a row are zero-variance, which has
+    probability p**(budget+1); every slot of every step takes that draw.
+    """
+    return p ** (budget + 1) * num_prompts_per_step * max_num_steps
+
+
+def exhaustion_probability(p: float, budget: int, num_prompts_per_step: int, max_num_steps: int) -> float:
+    """Probability that at least one slot of the run exhausts its budget (the run then fails)."""
+    per_slot = p ** (budget + 1)
+    slots = num_prompts_per_step * max_num_steps
+    # log1p keeps the tiny per-slot probabilities of a healthy run from rounding to zero.
+    return -math.expm1(slots * math.log1p(-per_slot)) if per_slot < 1 else 1.0
+
+
+def budget_exhausted_message(
+    *, step: int, slot: int, budget: int, p: float, num_prompts_per_step: int, max_num_steps: int
+) -> str:
+    expected = expected_exhausted_slots(p, budget, num_prompts_per_step, max_num_steps)
+    return (
+        f"slot (step {step}, index {slot}) drew {budget + 1} zero-variance groups in a row, past "
+        f"grpo.dynamic_sampling_max_replacements_per_slot={budget}. The measured zero-variance "
+        f"fraction is p={p:.3f}; at that rate a run of {max_num_steps} steps x "
+        f"{num_prompts_per_step} slots expects p**(budget+1) * num_prompts_per_step * "
+        f"max_num_steps = {expected:.3g} exhausted slots. Raise the budget so that this "
+        f"expectation is well below 1, or make the task less uniform for the model (p is the "
+        f"share of prompts it always or never solves)."
+    )
+
+
+# --- rollout failures (SPEC §3.6) --------------------------------------------------------
+
+
+class AfterDrop(str, enum.Enum):
+    REPLACE = "replace"
+    SHRINK = "shrink"
+
+
+def should_retry(try_no: int, max_attempts_per_prompt: int) -> bool:
+    """An infra failure is retried on the same prompt until it has had its attempts."""
+    return try_no < max_attempts_per_prompt
+
+
+def retry_backoff(try_no: int, base_seconds: float, max_seconds: float) -> float:
+    """Exponential back-off before try `try_no + 1`."""
+    return min(base_seconds * 2 ** (try_no - 1), max_seconds)
+
+
+def after_drop(on_dropped_prompt: str, drop_replacements: int, max_replacement_attempts: int) -> AfterDrop:
+    if on_dropped_prompt == "replace" and drop_replacements < max_replacement_attempts:
+        return AfterDrop.REPLACE
+    return AfterDrop.SHRINK
+
+
+def min_step_groups(num_prompts_per_step: int, min_step_batch_fraction: float) -> int:
+    # The epsilon keeps 0.9 * 10 = 9.000000000000002 from becoming 10.
+    return math.ceil(num_prompts_per_step * min_step_batch_fraction - 1e-9)
+
+
+def step_too_short(num_prompts_per_step: int, dropped_shrunk: int, min_step_batch_fraction: float) -> bool:
+    """Shrinks caused by dropped prompts count against the floor; the end of the data does not."""
+    return num_prompts_per_step - dropped_shrunk < min_step_groups(
+        num_prompts_per_step, min_step_batch_fraction
+    )
+
+
+def short_step_message(
+    *,
+    step: int,
+    num_prompts_per_step: int,
+    dropped_shrunk: int,
+    min_step_batch_fraction: float,
+    recent_errors: Sequence[str] = (),
+) -> str:
+    floor = min_step_groups(num_prompts_per_step, min_step_batch_fraction)
+    lines = [
+        f"step {step} can train at most {num_prompts_per_step - dropped_shrunk} of "
+        f"{num_prompts_per_step} groups, below rollout_failure.min_step_batch_fraction="
+        f"{min_step_batch_fraction} ({floor} groups): {dropped_shrunk} prompts were dropped. "
+        "Likely causes:",
+        "  1. a failing fleet: generation workers crash, time out or lose their leases "
+        "(see `refill slots RUN --step S --status shrunk` and the attempts' errors);",
+        "  2. drop budgets too large for the floor: rollout_failure.max_attempts_per_prompt / "
+        "max_replacement_attempts let one slot consume failures that should have failed fast, "
+        "or on_dropped_prompt=shrink with min_step_batch_fraction close to 1;",
+        "  3. a spare pool too small for the drop rate: raise "
+        "rollout_failure.replacement_reserve_prompts (at least num_prompts_per_step).",
+    ]
+    if recent_errors:
+        lines.append("Recent attempt errors: " + "; ".join(recent_errors))
+    return "\n".join(lines)
+
+
+def consecutive_drops_message(count: int, limit: int, last_error: str | None) -> str:
+    return (
+        f"{count} prompts in a row were dropped after exhausting their retries, past "
+        f"rollout_failure.max_consecutive_dropped_prompts={limit}: the generation fleet is "
+        f"failing rather than a few prompts. Last error: {last_error or 'unknown'}. Fix the "
+        "workers (see `refill workers` and `refill slot`), then `refill run resume RUN`."
+    )
+
+
+# --- spare pool (SPEC §3.4) --------------------------------------------------------------
+
+
+def spare_refill_needed(pool_size: int, reserve: int, loader_exhausted: bool) -> bool:
+    """The pool is topped up by one data-loader batch whenever it is below the low-water mark."""
+    return not loader_exhausted and pool_size < reserve
+
+
+class Source(str, enum.Enum):
+    BORROW = "borrow"
+    SPARE = "spare"
+    SHRINK = "shrink"
+
+
+def replacement_source(lender_available: bool, spare_available: bool) -> Source:
+    """Borrowing fills the earlier step now; a spare prompt fills it after one generation; with
+    neither, the data has ended and the slot shrinks."""
+    if lender_available:
+        return Source.BORROW
+    if spare_available:
+        return Source.SPARE
+    return Source.SHRINK
+
+
+# --- barrier (SPEC §3.5) -----------------------------------------------------------------
+
+
+def step_is_full(committed: int, num_slots: int, shrunk: int) -> bool:
+    return committed == num_slots - shrunk
+
+
+def staleness(step: int, weight_version: int) -> int:
+    return step - weight_version
+
+
+def admissible(step: int, newest_version: int, max_lookahead_versions: int) -> bool:
+    """Generation for `step` may start once the weights are at most `max_lookahead_versions`
+    behind it."""
+    return step - newest_version <= max_lookahead_versions
+
+
+# --- adaptive over-dispatch (issue 7) ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ZeroVarianceEstimate:
+    """Beta-posterior estimate of the zero-variance fraction p from the groups seen so far."""
+
+    zero_variance: int
+    total: int
+    prior_zero_variance: float = 1.0
+    prior_total: float = 4.0
+
+    @property
+    def p(self) -> float:
+        return (self.zero_variance + self.prior_zero_variance) / (self.total + self.prior_total)
+
+    @property
+    def measured(self) -> float | None:
+        return self.zero_variance / self.total if self.total else None
+
+
+def extra_attempts(slots_needed: int, live_attempts: int, p: float, safety_sigmas: float, cap: int) -> int:
+    """How many attempts to add so that the live ones are expected to commit `slots_needed`
+    non-zero-variance groups, with `safety_sigmas` standard deviations of margin.
+
+    With m live attempts the committed count is Binomial(m, 1 - p); we want the smallest m with
+    m(1-p) - z*sqrt(m p (1-p)) >= slots_needed, solved as a quadratic in sqrt(m).
+    """
+    if slots_needed <= 0:
+        return 0
+    q = max(1e-6, 1.0 - p)
+    z = safety_sigmas
+    b = z * math.sqrt(p * q)
+    root = (b + math.sqrt(b * b + 4 * q * slots_needed)) / (2 * q)
+    wanted = math.ceil(root * root)
+    return max(0, min(cap, wanted - live_attempts))

@@ -1,0 +1,153 @@
+"""Leases: a worker takes one before generating, keeps it alive with heartbeats, and the
+reaper turns an expired one into an infra failure (SPEC §3.6).
+
+The worker-side calls are single-row conditional updates and do not take the run lock: a
+heartbeat for an attempt that is no longer running simply changes nothing, which tells the
+worker to give up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from sqlalchemy import case, select, update
+from sqlalchemy.orm import Session
+
+from refill.models.context import RunContext, utcnow
+from refill.models.settings import settings_for
+from refill.models.slots import RunFailed, infra_failure, queue_training
+from refill.models.tables import Attempt, AttemptState, Run, RunStatus, Step, StepStatus
+
+
+@dataclass(frozen=True)
+class Lease:
+    attempt_id: int
+    run_id: int
+    #: the lowest weight version the worker may generate with (it may have been raised since
+    #: the message was sent, when the attempt was handed to a later step)
+    min_weight_version: int
+    lease_seconds: float
+
+
+def start_attempt(
+    session: Session, attempt_id: int, worker: str, now: datetime | None = None,
+    engine_version: int | None = None,
+) -> Lease | None:
+    """Take the lease on a pending or queued attempt; None if it is not ours to run.
+
+    `engine_version` is the version the worker's engine holds now. The worker never generates
+    with anything older than the returned minimum, so recording the larger of the two tells a
+    later re-aim how stale this generation can be at worst.
+    """
+    now = now or utcnow()
+    found = session.execute(
+        select(Attempt.run_id, Run.status, Run.id).join(Run, Run.id == Attempt.run_id).where(Attempt.id == attempt_id)
+    ).first()
+    if found is None or found[1] != RunStatus.RUNNING.value:
+        return None
+    run = session.get(Run, found[0])
+    assert run is not None
+    settings = settings_for(run)
+    floor = engine_version if engine_version is not None else 0
+    row = session.execute(
+        update(Attempt)
+        .where(
+            Attempt.id == attempt_id,
+            Attempt.state.in_([AttemptState.PENDING.value, AttemptState.QUEUED.value]),
+        )
+        .values(
+            state=AttemptState.RUNNING.value,
+            worker=worker[:200],
+            started_at=now,
+            dispatched_at=case((Attempt.dispatched_at.is_(None), now), else_=Attempt.dispatched_at),
+            leased_until=now + timedelta(seconds=settings.lease_seconds),
+            min_weight_version=case(
+                (Attempt.min_weight_version < floor, floor), else_=Attempt.min_weight_version
+            ),
+        )
+        .returning(Attempt.min_weight_version)
+        .execution_options(synchronize_session=False)
+    ).first()
+    if row is None:
+        return None
+    return Lease(attempt_id, run.id, int(row[0]), settings.lease_seconds)
+
+
+def extend_lease(session: Session, attempt_id: int, worker: str, seconds: float, now: datetime | None = None) -> bool:
+    """Heartbeat: push the lease out; False when the attempt is no longer ours."""
+    now = now or utcnow()
+    return bool(
+        session.execute(
+            update(Attempt)
+            .where(
+                Attempt.id == attempt_id,
+                Attempt.state == AttemptState.RUNNING.value,
+                Attempt.worker == worker[:200],
+            )
+            .values(leased_until=now + timedelta(seconds=seconds))
+            .execution_options(synchronize_session=False)
+        ).rowcount
+    )
+
+
+@dataclass
+class Reaped:
+    attempts: int = 0
+    train_steps: int = 0
+    outbox_ids: list[int] | None = None
+    failed: str | None = None
+
+
+def expire_leases(session: Session, run_id: int, now: datetime | None = None) -> Reaped:
+    """Expired generation leases become infra failures (retried, replaced or shrunk); an
+    expired trainer lease sends the step to the trainer again."""
+    ctx = RunContext.open(session, run_id, now)
+    reaped = Reaped(outbox_ids=[])
+    if not ctx.running:
+        return reaped
+    expired = list(
+        session.scalars(
+            select(Attempt)
+            .where(
+                Attempt.run_id == run_id,
+                Attempt.state.in_([AttemptState.QUEUED.value, AttemptState.RUNNING.value]),
+                Attempt.leased_until < ctx.now,
+            )
+            .order_by(Attempt.id)
+        )
+    )
+    try:
+        for attempt in expired:
+            if attempt.state == AttemptState.QUEUED.value:
+                why = (
+                    f"lease expired at {attempt.leased_until:%H:%M:%S}: the message waited on the "
+                    "generate queue past generation.queue_timeout_seconds (lost or no worker took it)"
+                )
+            else:
+                why = (
+                    f"lease expired at {attempt.leased_until:%H:%M:%S}: worker {attempt.worker} "
+                    "stopped heartbeating (crashed, lost, or its result was lost)"
+                )
+            infra_failure(ctx, attempt, why)
+            reaped.attempts += 1
+    except RunFailed as failure:
+        reaped.failed = str(failure)
+    stuck = list(
+        session.scalars(
+            select(Step).where(
+                Step.run_id == run_id,
+                Step.status == StepStatus.TRAINING.value,
+                Step.trainer_lease_until < ctx.now,
+            )
+        )
+    )
+    for step in stuck:
+        step.status = StepStatus.RELEASED.value
+        step.trainer_id = None
+        if ctx.run.weight_version == step.step and ctx.running:
+            queue_training(ctx, step.step)
+        reaped.train_steps += 1
+    session.flush()
+    reaped.outbox_ids = ctx.outbox_ids
+    return reaped

@@ -1,0 +1,116 @@
+"""Per-step metrics (SPEC §6), computed from ledger rows when a step is released.
+
+They are aggregates of what the ledger already holds, so any of them can be recomputed with
+SQL; storing them at release time keeps `refill metrics` and plots cheap and pins the value
+the run saw (the spare pool size, the measured p) at that moment.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import func, select
+
+from refill.models import decisions
+from refill.models.context import RunContext
+from refill.models.slots import measured_zero_variance
+from refill.models.tables import (
+    Attempt,
+    AttemptReason,
+    AttemptState,
+    Group,
+    Slot,
+    Step,
+    StepMetrics,
+)
+
+REPLACEMENT_REASONS = (
+    AttemptReason.FILTER_REPLACEMENT.value,
+    AttemptReason.DROP_REPLACEMENT.value,
+    AttemptReason.RESPAWN.value,
+)
+
+
+def record_release_metrics(ctx: RunContext, step: Step) -> StepMetrics:
+    session, run_id, s = ctx.session, ctx.run.id, step.step
+    session.flush()
+    finished = (Attempt.run_id == run_id) & (Attempt.step == s) & Attempt.zero_variance.is_not(None)
+    n_finished, n_zero, unfiltered, tokens = session.execute(
+        select(
+            func.count(),
+            func.count().filter(Attempt.zero_variance.is_(True)),
+            func.avg(Attempt.reward_mean),
+            func.coalesce(func.sum(Attempt.num_tokens), 0),
+        ).where(finished)
+    ).one()
+    counts = dict(
+        session.execute(
+            select(Attempt.state, func.count())
+            .where(Attempt.run_id == run_id, Attempt.step == s)
+            .group_by(Attempt.state)
+        ).all()
+    )
+    replaced = session.scalar(
+        select(func.count()).where(
+            Attempt.run_id == run_id, Attempt.step == s, Attempt.reason.in_(REPLACEMENT_REASONS)
+        )
+    )
+    # "First attempt": the first finished generation of each slot's own prompt, which is what
+    # a run without dynamic sampling would have trained on.
+    first_ids = (
+        select(func.min(Attempt.id))
+        .where(
+            Attempt.run_id == run_id,
+            Attempt.origin_step == s,
+            Attempt.reason.in_([AttemptReason.FIRST.value, AttemptReason.RETRY.value]),
+            Attempt.reward_mean.is_not(None),
+        )
+        .group_by(Attempt.origin_slot)
+    )
+    first_reward = session.scalar(select(func.avg(Attempt.reward_mean)).where(Attempt.id.in_(first_ids)))
+    trained = session.execute(
+        select(Group.reward_mean, Group.weight_version)
+        .join(Slot, Slot.group_attempt_id == Group.attempt_id)
+        .where(Slot.run_id == run_id, Slot.step == s)
+    ).all()
+    slot_sums = session.execute(
+        select(func.coalesce(func.sum(Slot.borrowed_in), 0), func.coalesce(func.sum(Slot.drops), 0)).where(
+            Slot.run_id == run_id, Slot.step == s
+        )
+    ).one()
+    staleness = [s - v for _, v in trained]
+    zero_run, total_run = measured_zero_variance(ctx)
+    p = zero_run / total_run if total_run else None
+    settings = ctx.settings
+    metrics = session.get(StepMetrics, (run_id, s)) or StepMetrics(run_id=run_id, step=s)
+    metrics.reward = sum(r for r, _ in trained) / len(trained) if trained else None
+    metrics.unfiltered_reward = float(unfiltered) if unfiltered is not None else None
+    metrics.first_attempt_reward = float(first_reward) if first_reward is not None else None
+    metrics.zero_variance_groups = int(n_zero or 0)
+    metrics.zero_variance_fraction = (n_zero / n_finished) if n_finished else None
+    metrics.filtered_groups = int(counts.get(AttemptState.FILTERED.value, 0))
+    metrics.failed_attempts = int(counts.get(AttemptState.FAILED.value, 0))
+    metrics.replaced_prompt_groups = int(replaced or 0)
+    metrics.promoted_prompt_groups = int(slot_sums[0])
+    metrics.dropped_prompt_groups = int(slot_sums[1])
+    metrics.trained_groups = len(trained)
+    metrics.spare_pool_size = ctx.spare_count
+    metrics.staleness_mean = sum(staleness) / len(staleness) if staleness else None
+    metrics.staleness_max = max(staleness) if staleness else None
+    metrics.step_fill_seconds = seconds_between(step.admitted_at, step.released_at)
+    metrics.generated_tokens = int(tokens or 0)
+    metrics.budget_exhaustion_risk = (
+        decisions.exhaustion_probability(
+            p, settings.filter_budget, settings.num_prompts_per_step, settings.max_num_steps
+        )
+        if p is not None and settings.use_dynamic_sampling
+        else None
+    )
+    session.add(metrics)
+    return metrics
+
+
+def seconds_between(start: datetime | None, end: datetime | None) -> float | None:
+    if start is None or end is None:
+        return None
+    return (end - start).total_seconds()

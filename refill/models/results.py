@@ -1,0 +1,303 @@
+"""Recording finished attempts: SPEC §3, the entry point of the results consumer.
+
+`record_results` takes a batch of results, groups them by run, locks each run once and applies
+every result in order. Each result has exactly one outcome; a result that changes nothing
+(duplicate, late, unknown) is written to `rejected_results` so that it stays visible.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from refill.models import decisions
+from refill.models.context import RunContext, utcnow
+from refill.models.db import UnknownRun
+from refill.models.payload import Completion, ResultMessage
+from refill.models.slots import (
+    LIVE,
+    RunFailed,
+    aimed_slot,
+    data_failure,
+    dispatch,
+    fail_run,
+    infra_failure,
+    measured_zero_variance,
+    place,
+    replace,
+)
+from refill.models.tables import (
+    Attempt,
+    AttemptReason,
+    AttemptState,
+    FailureKind,
+    Group,
+    RejectedResult,
+    RejectReason,
+    SlotStatus,
+)
+
+log = logging.getLogger(__name__)
+
+
+class Outcome(str, enum.Enum):
+    COMMITTED = "COMMITTED"
+    FILTERED = "FILTERED"
+    FAILED = "FAILED"
+    DUPLICATE = "DUPLICATE"
+    LATE = "LATE"
+    UNKNOWN = "UNKNOWN"
+    RUN_FINISHED = "RUN_FINISHED"
+
+
+@dataclass(frozen=True)
+class Recorded:
+    attempt_id: int
+    outcome: Outcome
+    detail: str | None = None
+
+
+@dataclass
+class BatchResult:
+    outcomes: list[Recorded]
+    outbox_ids: list[int]
+
+
+def record_results(
+    session: Session, results: Sequence[ResultMessage], now: datetime | None = None
+) -> BatchResult:
+    """Apply a batch of results in one transaction (the caller's)."""
+    now = now or utcnow()
+    by_run: dict[int, list[tuple[int, ResultMessage]]] = {}
+    for position, result in enumerate(results):
+        by_run.setdefault(result.run_id, []).append((position, result))
+    outcomes: list[Recorded | None] = [None] * len(results)
+    outbox_ids: list[int] = []
+    # Lock runs in id order so that two consumers with mixed batches cannot deadlock.
+    for run_id in sorted(by_run):
+        items = by_run[run_id]
+        try:
+            ctx = RunContext.open(session, run_id, now)
+        except UnknownRun:
+            for position, result in items:
+                outcomes[position] = _reject(
+                    session, result, RejectReason.UNKNOWN, f"there is no run {run_id}", now
+                )
+            continue
+        ids = [r.attempt_id for _, r in items]
+        # One query loads every attempt of the batch into the identity map.
+        attempts = {
+            a.id: a
+            for a in session.scalars(
+                select(Attempt).where(Attempt.run_id == run_id, Attempt.id.in_(ids))
+            )
+        }
+        for position, result in items:
+            outcomes[position] = _record_one(ctx, attempts.get(result.attempt_id), result)
+        session.flush()
+        outbox_ids.extend(ctx.outbox_ids)
+    return BatchResult([o for o in outcomes if o is not None], outbox_ids)
+
+
+def _reject(
+    session: Session, result: ResultMessage, reason: RejectReason, detail: str, now: datetime
+) -> Recorded:
+    session.add(
+        RejectedResult(
+            run_id=result.run_id,
+            attempt_id=result.attempt_id,
+            reason=reason.value,
+            worker=result.worker[:200],
+            detail=detail[:2000],
+            received_at=now,
+        )
+    )
+    outcome = {
+        RejectReason.DUPLICATE: Outcome.DUPLICATE,
+        RejectReason.LATE: Outcome.LATE,
+        RejectReason.RUN_FINISHED: Outcome.RUN_FINISHED,
+    }.get(reason, Outcome.UNKNOWN)
+    log.info("result for attempt %s refused: %s (%s)", result.attempt_id, outcome.value, detail)
+    return Recorded(result.attempt_id, outcome, detail)
+
+
+def _record_one(ctx: RunContext, attempt: Attempt | None, result: ResultMessage) -> Recorded:
+    session, now = ctx.session, ctx.now
+    if attempt is None:
+        return _reject(
+            session, result, RejectReason.UNKNOWN, "the ledger never dispatched this attempt", now
+        )
+    if attempt.state not in LIVE:
+        late = attempt.state == AttemptState.CANCELLED.value or (
+            attempt.state == AttemptState.FAILED.value
+            and attempt.failure_kind == FailureKind.INFRA.value
+        )
+        reason = RejectReason.LATE if late else RejectReason.DUPLICATE
+        return _reject(session, result, reason, f"attempt is already {attempt.state}", now)
+    if not ctx.running:
+        return _reject(session, result, RejectReason.RUN_FINISHED, f"run is {ctx.run.status}", now)
+    if attempt.state != AttemptState.RUNNING.value:
+        # Workers take the lease before generating; a result without one was never issued
+        # by a worker of this ledger.
+        return _reject(
+            session, result, RejectReason.UNKNOWN, f"attempt is {attempt.state}, not leased", now
+        )
+    if attempt.worker and result.worker != attempt.worker:
+        return _reject(
+            session,
+            result,
+            RejectReason.UNKNOWN,
+            f"attempt is leased to {attempt.worker}, not {result.worker}",
+            now,
+        )
+    attempt.finished_at = now
+    attempt.weight_version = result.weight_version
+    attempt.generation_seconds = result.generation_seconds
+    try:
+        return _apply(ctx, attempt, result)
+    except RunFailed as failure:
+        return Recorded(attempt.id, _outcome_of(attempt), str(failure).splitlines()[0])
+
+
+def _outcome_of(attempt: Attempt) -> Outcome:
+    return {
+        AttemptState.COMMITTED.value: Outcome.COMMITTED,
+        AttemptState.FILTERED.value: Outcome.FILTERED,
+    }.get(attempt.state, Outcome.FAILED)
+
+
+def _apply(ctx: RunContext, attempt: Attempt, result: ResultMessage) -> Recorded:
+    settings = ctx.settings
+    if result.error_kind == "infra":
+        infra_failure(ctx, attempt, result.error or "engine error")
+        return Recorded(attempt.id, Outcome.FAILED, "infra")
+    if result.error_kind == "data":
+        data_failure(ctx, attempt, result.error or "data error")
+        return Recorded(attempt.id, Outcome.FAILED, "data")
+    problem = decisions.payload_problem(result, settings.group_size, settings.vocab_size)
+    if problem is None and result.weight_version is None:
+        problem = "result does not say which weight version generated it"
+    if problem is not None:
+        data_failure(ctx, attempt, problem)
+        return Recorded(attempt.id, Outcome.FAILED, problem)
+
+    rewards = result.rewards
+    attempt.rewards = rewards
+    attempt.reward_mean = sum(rewards) / len(rewards)
+    attempt.reward_min = min(rewards)
+    attempt.reward_max = max(rewards)
+    attempt.num_tokens = sum(len(c.token_ids) for c in result.completions)
+    zero_variance = decisions.is_zero_variance(rewards, settings.zero_variance_tolerance)
+    attempt.zero_variance = zero_variance
+    # A generation that came back is a healthy fleet, whatever the filter then decides.
+    ctx.run.consecutive_dropped = 0
+
+    if zero_variance and settings.use_dynamic_sampling:
+        _filter(ctx, attempt)
+        return Recorded(attempt.id, Outcome.FILTERED)
+    _commit(ctx, attempt, result)
+    return Recorded(attempt.id, Outcome.COMMITTED)
+
+
+def _filter(ctx: RunContext, attempt: Attempt) -> None:
+    """SPEC §3.3: a zero-variance group is a data decision about a rollout that succeeded; it
+    spends the slot's dynamic-sampling budget, never the fault-tolerance one."""
+    attempt.state = AttemptState.FILTERED.value
+    slot = aimed_slot(ctx, attempt)
+    if slot is None:
+        return
+    slot.filtered += 1
+    budget = ctx.settings.filter_budget
+    if slot.filter_replacements >= budget:
+        zero, total = measured_zero_variance(ctx)
+        fail_run(
+            ctx,
+            decisions.budget_exhausted_message(
+                step=slot.step,
+                slot=slot.idx,
+                budget=budget,
+                p=zero / total if total else 1.0,
+                num_prompts_per_step=ctx.settings.num_prompts_per_step,
+                max_num_steps=ctx.settings.max_num_steps,
+            ),
+            "budget_exhausted",
+        )
+    replace(ctx, slot, after_filter=True)
+
+
+def _commit(ctx: RunContext, attempt: Attempt, result: ResultMessage) -> None:
+    settings = ctx.settings
+    attempt.state = AttemptState.COMMITTED.value
+    version = int(result.weight_version or 0)
+    group = Group(
+        attempt_id=attempt.id,
+        run_id=ctx.run.id,
+        prompt_id=attempt.prompt_id,
+        origin_step=attempt.origin_step,
+        weight_version=version,
+        rewards=list(result.rewards),
+        reward_mean=attempt.reward_mean,
+        zero_variance=bool(attempt.zero_variance),
+        prompt_token_ids=list(result.prompt_token_ids),
+        completions=[_completion_json(c) for c in result.completions],
+        num_tokens=attempt.num_tokens or 0,
+        committed_at=ctx.now,
+        parked=False,
+        moves=0,
+    )
+    ctx.session.add(group)
+    own = aimed_slot(ctx, attempt)
+    if own is not None and decisions.staleness(own.step, version) > settings.max_lookahead_versions:
+        # The re-aim rule keeps this from happening; if it does, training the group would
+        # break the staleness bound, so it is discarded and the prompt generated again.
+        log.warning(
+            "attempt %s generated with weights v%s, too stale for step %s; regenerating",
+            attempt.id,
+            version,
+            own.step,
+        )
+        ctx.session.expunge(group)
+        attempt.state = AttemptState.FAILED.value
+        attempt.failure_kind = FailureKind.STALE.value
+        attempt.error = f"weights v{version} too stale for step {own.step}"
+        dispatch(
+            ctx,
+            step=own.step,
+            slot=own,
+            prompt_id=attempt.prompt_id,
+            reason=AttemptReason.RETRY,
+            try_no=attempt.try_no,
+            origin=(attempt.origin_step, attempt.origin_slot),
+        )
+        return
+    ctx.session.flush()
+    place(ctx, group, own)
+
+
+def _completion_json(completion: Completion) -> dict:
+    return {
+        "token_ids": completion.token_ids,
+        "logprobs": completion.logprobs,
+        "text": completion.text,
+        "finish_reason": completion.finish_reason,
+    }
+
+
+def committed_slot_of(session: Session, run_id: int, attempt_id: int) -> tuple[int, int] | None:
+    """Where a committed group sits now (used by tests and the CLI)."""
+    from refill.models.tables import Slot
+
+    row = session.execute(
+        select(Slot.step, Slot.idx).where(
+            Slot.run_id == run_id,
+            Slot.group_attempt_id == attempt_id,
+            Slot.status == SlotStatus.COMMITTED.value,
+        )
+    ).first()
+    return (row[0], row[1]) if row else None

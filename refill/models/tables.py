@@ -1,0 +1,486 @@
+"""The run ledger: every table of refill, in SQLAlchemy 2.0 declarative style.
+
+The ledger is the source of truth. Redis only carries messages; anything a message says is
+checked against these rows before it has an effect. Constraints here make the impossible
+states of SPEC §3 impossible in the database itself, whatever code writes to it:
+
+- a slot holds at most one group (`slots.group_attempt_id`), and a group sits in at most one
+  slot (unique on that column);
+- a step's committed count never exceeds its target (`committed <= num_slots - shrunk`);
+- per-slot budgets are stored on the slot and checked against it (`filter_replacements <=
+  filter_budget`, `drop_replacements <= drop_budget`);
+- one weight version per (run, version).
+"""
+
+from __future__ import annotations
+
+import enum
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    DateTime,
+    Float,
+    ForeignKey,
+    ForeignKeyConstraint,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    TypeDecorator,
+    text,
+)
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_N_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Timestamps are stored in UTC and always read back timezone-aware.
+
+    SQLite keeps no offset and returns naive values; normalising here means no caller ever
+    compares a naive and an aware datetime."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("refill stores timezone-aware datetimes only (use datetime.now(UTC))")
+        return value.astimezone(UTC)
+
+    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value
+
+
+# JSONB on PostgreSQL (indexable, compact), plain JSON text elsewhere.
+JSONType = JSON().with_variant(postgresql.JSONB(), "postgresql")
+# SQLite only auto-increments an INTEGER PRIMARY KEY.
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+Timestamp = UTCDateTime()
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {dict[str, Any]: JSONType, list[Any]: JSONType, datetime: Timestamp}
+
+
+def _in(column: str, enum_cls: type[enum.Enum]) -> str:
+    values = ", ".join(f"'{member.value}'" for member in enum_cls)
+    return f"{column} IN ({values})"
+
+
+class RunStatus(str, enum.Enum):
+    CREATED = "created"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+class StepStatus(str, enum.Enum):
+    OPEN = "open"  # admitted, filling
+    RELEASED = "released"  # full; handed to the trainer exactly once
+    TRAINING = "training"  # a trainer claimed it
+    TRAINED = "trained"  # weight version step+1 published
+
+
+class SlotStatus(str, enum.Enum):
+    OPEN = "open"
+    COMMITTED = "committed"
+    SHRUNK = "shrunk"
+
+
+class ShrinkReason(str, enum.Enum):
+    END_OF_DATA = "end_of_data"  # spare pool dry and loader exhausted: not a tuning problem
+    DROPPED = "dropped"  # rollout failures used up the slot's drop budget
+
+
+class AttemptState(str, enum.Enum):
+    PENDING = "pending"  # written with its outbox row, not yet handed to the broker
+    QUEUED = "queued"  # on the generate queue
+    RUNNING = "running"  # a worker holds the lease
+    COMMITTED = "committed"
+    FILTERED = "filtered"
+    FAILED = "failed"
+    CANCELLED = "cancelled"  # its slot was settled otherwise and nothing else needed it
+
+    @classmethod
+    def live(cls) -> tuple[AttemptState, ...]:
+        return (cls.PENDING, cls.QUEUED, cls.RUNNING)
+
+
+class AttemptReason(str, enum.Enum):
+    FIRST = "first"  # the slot's own prompt
+    RETRY = "retry"  # same prompt after an infra failure
+    FILTER_REPLACEMENT = "filter_replacement"  # spare prompt after a zero-variance group
+    DROP_REPLACEMENT = "drop_replacement"  # spare prompt after a dropped prompt
+    RESPAWN = "respawn"  # spare prompt for a slot whose group was lent to an earlier step
+    EXTRA = "extra"  # over-dispatch: serves the step, not one slot
+
+
+class FailureKind(str, enum.Enum):
+    INFRA = "infra"
+    DATA = "data"
+    STALE = "stale"  # finished, but too stale for every step still open
+
+
+class RejectReason(str, enum.Enum):
+    DUPLICATE = "duplicate"
+    LATE = "late"
+    UNKNOWN = "unknown"
+    RUN_FINISHED = "run_finished"
+    MALFORMED = "malformed"
+
+
+class Run(Base):
+    __tablename__ = "runs"
+    __table_args__ = (
+        CheckConstraint(_in("status", RunStatus), name="status"),
+        CheckConstraint("num_prompts_per_step >= 1", name="num_prompts_per_step"),
+        CheckConstraint("group_size >= 1", name="group_size"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(200))
+    status: Mapped[str] = mapped_column(String(16), default=RunStatus.CREATED.value)
+    config: Mapped[dict[str, Any]]
+    config_hash: Mapped[str] = mapped_column(String(64))
+    data_fingerprint: Mapped[str] = mapped_column(String(64))
+    run_dir: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime]
+    started_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]
+    end_reason: Mapped[str | None] = mapped_column(String(32))
+    error: Mapped[str | None] = mapped_column(Text)
+
+    # Copied out of the config so that SQL (and constraints) can use them.
+    num_prompts_per_step: Mapped[int] = mapped_column(Integer)
+    group_size: Mapped[int] = mapped_column(Integer)
+    max_num_steps: Mapped[int] = mapped_column(Integer)
+    max_lookahead_versions: Mapped[int] = mapped_column(Integer)
+    num_prompts: Mapped[int] = mapped_column(Integer)
+
+    # Data loader position: the prompt order of an epoch is a permutation seeded by
+    # (run seed, epoch), so the cursor is all the state a restart needs.
+    loader_epoch: Mapped[int] = mapped_column(Integer, default=0)
+    loader_cursor: Mapped[int] = mapped_column(Integer, default=0)
+    loader_exhausted: Mapped[bool] = mapped_column(Boolean, default=False)
+
+    next_step: Mapped[int] = mapped_column(Integer, default=0)
+    weight_version: Mapped[int] = mapped_column(Integer, default=0)
+    consecutive_dropped: Mapped[int] = mapped_column(Integer, default=0)
+    stop_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    controller_id: Mapped[str | None] = mapped_column(String(200))
+    controller_seen_at: Mapped[datetime | None]
+
+
+class Prompt(Base):
+    __tablename__ = "prompts"
+    __table_args__ = (Index(None, "run_id", "position", unique=True),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    position: Mapped[int] = mapped_column(Integer)  # row index in the data set
+    line_no: Mapped[int | None] = mapped_column(Integer)
+    text: Mapped[str] = mapped_column(Text)  # formatted with data.prompt_template
+    row: Mapped[dict[str, Any]]
+
+
+class Step(Base):
+    __tablename__ = "steps"
+    __table_args__ = (
+        CheckConstraint(_in("status", StepStatus), name="status"),
+        CheckConstraint("shrunk >= 0 AND shrunk <= num_slots", name="shrunk_range"),
+        CheckConstraint("dropped_shrunk <= shrunk", name="dropped_shrunk_range"),
+        CheckConstraint("committed >= 0 AND committed <= num_slots - shrunk", name="committed_le_target"),
+        CheckConstraint(
+            "status = 'open' OR committed = num_slots - shrunk", name="released_steps_are_full"
+        ),
+    )
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    status: Mapped[str] = mapped_column(String(16), default=StepStatus.OPEN.value)
+    num_slots: Mapped[int] = mapped_column(Integer)
+    committed: Mapped[int] = mapped_column(Integer, default=0)
+    shrunk: Mapped[int] = mapped_column(Integer, default=0)
+    dropped_shrunk: Mapped[int] = mapped_column(Integer, default=0)
+    admitted_at: Mapped[datetime]
+    released_at: Mapped[datetime | None]
+    train_started_at: Mapped[datetime | None]
+    trained_at: Mapped[datetime | None]
+    trainer_id: Mapped[str | None] = mapped_column(String(200))
+    trainer_lease_until: Mapped[datetime | None]
+    train_claims: Mapped[int] = mapped_column(Integer, default=0)
+
+    @property
+    def target(self) -> int:
+        return self.num_slots - self.shrunk
+
+
+class Slot(Base):
+    __tablename__ = "slots"
+    __table_args__ = (
+        ForeignKeyConstraint(
+            ["run_id", "step"], ["steps.run_id", "steps.step"], ondelete="CASCADE"
+        ),
+        CheckConstraint(_in("status", SlotStatus), name="status"),
+        CheckConstraint(
+            "(status = 'committed') = (group_attempt_id IS NOT NULL)", name="committed_has_group"
+        ),
+        CheckConstraint("(status = 'shrunk') = (shrink_reason IS NOT NULL)", name="shrunk_has_reason"),
+        CheckConstraint("filter_replacements <= filter_budget", name="filter_budget"),
+        CheckConstraint("drop_replacements <= drop_budget", name="drop_budget"),
+        CheckConstraint("filtered <= filter_budget + 1", name="filtered_range"),
+        Index(None, "group_attempt_id", unique=True),
+    )
+
+    run_id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    idx: Mapped[int] = mapped_column(Integer, primary_key=True)
+    status: Mapped[str] = mapped_column(String(16), default=SlotStatus.OPEN.value)
+    prompt_id: Mapped[int | None] = mapped_column(ForeignKey("prompts.id"))
+    group_attempt_id: Mapped[int | None] = mapped_column(
+        BigId, ForeignKey("attempts.id", use_alter=True)
+    )
+    shrink_reason: Mapped[str | None] = mapped_column(String(16))
+    # True while the slot waits on a replacement (its own prompt was filtered or dropped):
+    # such a slot may take a group committed for a later step (SPEC §3.4).
+    needs_replacement: Mapped[bool] = mapped_column(Boolean, default=False)
+    filtered: Mapped[int] = mapped_column(Integer, default=0)
+    filter_replacements: Mapped[int] = mapped_column(Integer, default=0)
+    filter_budget: Mapped[int] = mapped_column(Integer)
+    infra_failures: Mapped[int] = mapped_column(Integer, default=0)
+    data_failures: Mapped[int] = mapped_column(Integer, default=0)
+    drops: Mapped[int] = mapped_column(Integer, default=0)
+    drop_replacements: Mapped[int] = mapped_column(Integer, default=0)
+    drop_budget: Mapped[int] = mapped_column(Integer)
+    borrowed_in: Mapped[int] = mapped_column(Integer, default=0)  # groups moved here
+    lent_out: Mapped[int] = mapped_column(Integer, default=0)  # groups moved away
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    settled_at: Mapped[datetime | None]
+
+
+class Attempt(Base):
+    __tablename__ = "attempts"
+    __table_args__ = (
+        ForeignKeyConstraint(
+            ["run_id", "step", "slot_idx"], ["slots.run_id", "slots.step", "slots.idx"]
+        ),
+        CheckConstraint(_in("state", AttemptState), name="state"),
+        CheckConstraint(_in("reason", AttemptReason), name="reason"),
+        CheckConstraint(
+            "failure_kind IS NULL OR " + _in("failure_kind", FailureKind), name="failure_kind"
+        ),
+        CheckConstraint("(state = 'failed') = (failure_kind IS NOT NULL)", name="failed_has_kind"),
+        CheckConstraint("try_no >= 1", name="try_no"),
+        Index(None, "run_id", "step", "slot_idx"),
+        Index(None, "run_id", "state"),
+        Index(
+            "ix_attempts_live_lease",
+            "run_id",
+            "leased_until",
+            postgresql_where=text("state IN ('queued', 'running')"),
+            sqlite_where=text("state IN ('queued', 'running')"),
+        ),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    # The slot it serves now. A live attempt can be re-aimed (a group placed elsewhere hands
+    # over its slot); an EXTRA attempt serves its step without a slot.
+    step: Mapped[int] = mapped_column(Integer)
+    slot_idx: Mapped[int | None] = mapped_column(Integer)
+    origin_step: Mapped[int] = mapped_column(Integer)
+    origin_slot: Mapped[int | None] = mapped_column(Integer)
+    prompt_id: Mapped[int] = mapped_column(ForeignKey("prompts.id"))
+    try_no: Mapped[int] = mapped_column(Integer, default=1)
+    reason: Mapped[str] = mapped_column(String(24))
+    state: Mapped[str] = mapped_column(String(16), default=AttemptState.PENDING.value)
+    failure_kind: Mapped[str | None] = mapped_column(String(16))
+    error: Mapped[str | None] = mapped_column(Text)
+    min_weight_version: Mapped[int] = mapped_column(Integer)
+    weight_version: Mapped[int | None] = mapped_column(Integer)
+    worker: Mapped[str | None] = mapped_column(String(200))
+    created_at: Mapped[datetime]
+    available_at: Mapped[datetime]  # not before (retry back-off)
+    dispatched_at: Mapped[datetime | None]
+    started_at: Mapped[datetime | None]
+    leased_until: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]
+    generation_seconds: Mapped[float | None] = mapped_column(Float)
+    rewards: Mapped[list[Any] | None]
+    reward_mean: Mapped[float | None] = mapped_column(Float)
+    reward_min: Mapped[float | None] = mapped_column(Float)
+    reward_max: Mapped[float | None] = mapped_column(Float)
+    zero_variance: Mapped[bool | None] = mapped_column(Boolean)
+    num_tokens: Mapped[int | None] = mapped_column(Integer)
+
+
+class Group(Base):
+    """The payload of a committed attempt: what the trainer trains on.
+
+    Where the group sits is `slots.group_attempt_id` (one source of truth); a committed group
+    that no slot references is parked surplus, kept for a later step within the staleness
+    bound."""
+
+    __tablename__ = "groups"
+    __table_args__ = (Index(None, "run_id", "trained_step"), Index(None, "run_id", "parked"))
+
+    attempt_id: Mapped[int] = mapped_column(
+        BigId, ForeignKey("attempts.id", ondelete="CASCADE"), primary_key=True
+    )
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    prompt_id: Mapped[int] = mapped_column(ForeignKey("prompts.id"))
+    origin_step: Mapped[int] = mapped_column(Integer)
+    weight_version: Mapped[int] = mapped_column(Integer)
+    rewards: Mapped[list[Any]]
+    reward_mean: Mapped[float] = mapped_column(Float)
+    zero_variance: Mapped[bool] = mapped_column(Boolean)
+    prompt_token_ids: Mapped[list[Any]]
+    completions: Mapped[list[Any]]
+    num_tokens: Mapped[int] = mapped_column(Integer)
+    committed_at: Mapped[datetime]
+    # Committed but in no slot: surplus kept for a later step (derivable from slots, but
+    # flagged so that finding a lender is an index lookup).
+    parked: Mapped[bool] = mapped_column(Boolean, default=False)
+    moves: Mapped[int] = mapped_column(Integer, default=0)
+    trained_step: Mapped[int | None] = mapped_column(Integer)
+
+
+class SparePrompt(Base):
+    __tablename__ = "spare_prompts"
+    __table_args__ = (
+        Index(
+            "ix_spare_prompts_available",
+            "run_id",
+            "id",
+            postgresql_where=text("taken_at IS NULL"),
+            sqlite_where=text("taken_at IS NULL"),
+        ),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    prompt_id: Mapped[int] = mapped_column(ForeignKey("prompts.id"))
+    epoch: Mapped[int] = mapped_column(Integer)
+    added_at: Mapped[datetime]
+    taken_at: Mapped[datetime | None]
+    taken_by_attempt: Mapped[int | None] = mapped_column(BigId)
+
+
+class WeightVersion(Base):
+    __tablename__ = "weight_versions"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    version: Mapped[int] = mapped_column(Integer, primary_key=True)
+    path: Mapped[str | None] = mapped_column(Text)
+    trained_step: Mapped[int | None] = mapped_column(Integer)
+    created_at: Mapped[datetime]
+
+
+class StepMetrics(Base):
+    """SPEC §6, one row per step: written at release, completed by the trainer."""
+
+    __tablename__ = "step_metrics"
+    __table_args__ = (
+        ForeignKeyConstraint(["run_id", "step"], ["steps.run_id", "steps.step"], ondelete="CASCADE"),
+    )
+
+    run_id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    reward: Mapped[float | None] = mapped_column(Float)
+    unfiltered_reward: Mapped[float | None] = mapped_column(Float)
+    first_attempt_reward: Mapped[float | None] = mapped_column(Float)
+    zero_variance_fraction: Mapped[float | None] = mapped_column(Float)
+    zero_variance_groups: Mapped[int] = mapped_column(Integer, default=0)
+    filtered_groups: Mapped[int] = mapped_column(Integer, default=0)
+    replaced_prompt_groups: Mapped[int] = mapped_column(Integer, default=0)
+    promoted_prompt_groups: Mapped[int] = mapped_column(Integer, default=0)
+    dropped_prompt_groups: Mapped[int] = mapped_column(Integer, default=0)
+    failed_attempts: Mapped[int] = mapped_column(Integer, default=0)
+    trained_groups: Mapped[int] = mapped_column(Integer, default=0)
+    spare_pool_size: Mapped[int] = mapped_column(Integer, default=0)
+    staleness_mean: Mapped[float | None] = mapped_column(Float)
+    staleness_max: Mapped[int | None] = mapped_column(Integer)
+    step_fill_seconds: Mapped[float | None] = mapped_column(Float)
+    trainer_idle_seconds: Mapped[float | None] = mapped_column(Float)
+    generated_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    budget_exhaustion_risk: Mapped[float | None] = mapped_column(Float)
+    loss: Mapped[float | None] = mapped_column(Float)
+    grad_norm: Mapped[float | None] = mapped_column(Float)
+    clip_fraction: Mapped[float | None] = mapped_column(Float)
+    entropy: Mapped[float | None] = mapped_column(Float)
+    kl: Mapped[float | None] = mapped_column(Float)
+    train_seconds: Mapped[float | None] = mapped_column(Float)
+    extra: Mapped[dict[str, Any] | None]
+
+
+class OutboxKind(str, enum.Enum):
+    GENERATE = "generate"
+    TRAIN_STEP = "train_step"
+
+
+class Outbox(Base):
+    """Messages that must follow a commit, written in the same transaction and sent by a
+    relay at least once (SPEC §2). Receivers are idempotent by attempt id or step."""
+
+    __tablename__ = "outbox"
+    __table_args__ = (
+        CheckConstraint(_in("kind", OutboxKind), name="kind"),
+        Index(
+            "ix_outbox_unsent",
+            "available_at",
+            postgresql_where=text("sent_at IS NULL"),
+            sqlite_where=text("sent_at IS NULL"),
+        ),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    kind: Mapped[str] = mapped_column(String(16))
+    attempt_id: Mapped[int | None] = mapped_column(BigId, ForeignKey("attempts.id", ondelete="CASCADE"))
+    step: Mapped[int | None] = mapped_column(Integer)
+    payload: Mapped[dict[str, Any]]
+    created_at: Mapped[datetime]
+    available_at: Mapped[datetime]
+    claimed_by: Mapped[str | None] = mapped_column(String(200))
+    claimed_until: Mapped[datetime | None]
+    sent_at: Mapped[datetime | None]
+    send_count: Mapped[int] = mapped_column(Integer, default=0)
+
+    attempt: Mapped[Attempt | None] = relationship(foreign_keys=[attempt_id])
+
+
+class RejectedResult(Base):
+    """A result that had no effect, and why (duplicate, late, unknown attempt...)."""
+
+    __tablename__ = "rejected_results"
+    __table_args__ = (
+        CheckConstraint(_in("reason", RejectReason), name="reason"),
+        Index(None, "run_id", "attempt_id"),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    run_id: Mapped[int | None] = mapped_column(Integer)
+    attempt_id: Mapped[int | None] = mapped_column(BigId)
+    reason: Mapped[str] = mapped_column(String(16))
+    worker: Mapped[str | None] = mapped_column(String(200))
+    detail: Mapped[str | None] = mapped_column(Text)
+    received_at: Mapped[datetime]

@@ -1,0 +1,191 @@
+"""The trainer's side of the ledger: claim a released step, read its batch, publish the
+weight version it produced, mark it trained.
+
+Steps train strictly in order: step s trains from weight version s and publishes s+1. A
+released step whose predecessor is not trained yet waits; the transaction that finishes step
+s queues step s+1 if it is already released.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from refill.models import decisions
+from refill.models.context import RunContext
+from refill.models.metrics import seconds_between
+from refill.models.payload import Completion, TrainGroup
+from refill.models.runs import check_completion
+from refill.models.slots import queue_training
+from refill.models.tables import (
+    Group,
+    Slot,
+    SlotStatus,
+    Step,
+    StepMetrics,
+    StepStatus,
+    WeightVersion,
+)
+
+
+class StalenessViolation(RuntimeError):
+    pass
+
+
+@dataclass
+class TrainBatch:
+    run_id: int
+    step: int
+    weight_version: int
+    groups: list[TrainGroup]
+    config: dict[str, Any]
+    run_dir: str
+
+
+def claim_training(
+    session: Session, run_id: int, step: int, trainer_id: str, now: datetime | None = None
+) -> TrainBatch | None:
+    """Claim `step` for this trainer; None when it is not (or no longer) this trainer's to do:
+    already trained, claimed by a live trainer, or waiting for its predecessor."""
+    ctx = RunContext.open(session, run_id, now)
+    if not ctx.running:
+        return None
+    row = session.get(Step, (run_id, step))
+    if row is None or row.status not in (StepStatus.RELEASED.value, StepStatus.TRAINING.value):
+        return None
+    if (
+        row.status == StepStatus.TRAINING.value
+        and row.trainer_id not in (None, trainer_id)
+        and row.trainer_lease_until is not None
+        and row.trainer_lease_until > ctx.now
+    ):
+        return None
+    if ctx.run.weight_version != step:
+        return None
+    row.status = StepStatus.TRAINING.value
+    row.trainer_id = trainer_id[:200]
+    row.trainer_lease_until = ctx.now + timedelta(seconds=ctx.settings.trainer_lease_seconds)
+    row.train_claims += 1
+    if row.train_started_at is None:
+        row.train_started_at = ctx.now
+        metrics = session.get(StepMetrics, (run_id, step))
+        previous = session.get(Step, (run_id, step - 1)) if step > 0 else None
+        if metrics is not None:
+            # Time the trainer stood idle waiting for this step (0 when it was ready first).
+            since = previous.trained_at if previous is not None else ctx.run.started_at
+            idle = seconds_between(since, row.released_at)
+            metrics.trainer_idle_seconds = max(0.0, idle) if idle is not None else None
+    rows = session.execute(
+        select(Group)
+        .join(Slot, Slot.group_attempt_id == Group.attempt_id)
+        .where(Slot.run_id == run_id, Slot.step == step, Slot.status == SlotStatus.COMMITTED.value)
+        .order_by(Slot.idx)
+    ).scalars()
+    groups = []
+    for group in rows:
+        if decisions.staleness(step, group.weight_version) > ctx.settings.max_lookahead_versions:
+            raise StalenessViolation(
+                f"group {group.attempt_id} was generated with weights v{group.weight_version}, "
+                f"staler than max_lookahead_versions={ctx.settings.max_lookahead_versions} for "
+                f"step {step}; refusing to train it"
+            )
+        groups.append(
+            TrainGroup(
+                attempt_id=group.attempt_id,
+                prompt_token_ids=list(group.prompt_token_ids),
+                completions=[Completion.from_json(c) for c in group.completions],
+                rewards=list(group.rewards),
+                weight_version=group.weight_version,
+            )
+        )
+    return TrainBatch(run_id, step, ctx.run.weight_version, groups, ctx.run.config, ctx.run.run_dir)
+
+
+def extend_training_lease(session: Session, run_id: int, step: int, trainer_id: str, seconds: float, now: datetime) -> bool:
+    return bool(
+        session.execute(
+            update(Step)
+            .where(
+                Step.run_id == run_id,
+                Step.step == step,
+                Step.status == StepStatus.TRAINING.value,
+                Step.trainer_id == trainer_id[:200],
+            )
+            .values(trainer_lease_until=now + timedelta(seconds=seconds))
+            .execution_options(synchronize_session=False)
+        ).rowcount
+    )
+
+
+def finish_training(
+    session: Session,
+    run_id: int,
+    step: int,
+    trainer_id: str,
+    weights_path: str | None,
+    metrics: dict[str, float],
+    now: datetime | None = None,
+) -> bool:
+    """Publish version step+1 and mark the step trained; False if this trainer lost the step
+    (another trainer finished it, or the run ended) and its work must be discarded."""
+    ctx = RunContext.open(session, run_id, now)
+    row = session.get(Step, (run_id, step))
+    if row is None or row.status != StepStatus.TRAINING.value or row.trainer_id != trainer_id[:200]:
+        return False
+    if ctx.run.weight_version != step:
+        return False
+    publish_weight_version(ctx, step + 1, weights_path, trained_step=step)
+    row.status = StepStatus.TRAINED.value
+    row.trained_at = ctx.now
+    row.trainer_lease_until = None
+    session.execute(
+        update(Group)
+        .where(
+            Group.attempt_id.in_(
+                select(Slot.group_attempt_id).where(Slot.run_id == run_id, Slot.step == step)
+            )
+        )
+        .values(trained_step=step)
+        .execution_options(synchronize_session=False)
+    )
+    stored = session.get(StepMetrics, (run_id, step))
+    if stored is not None:
+        known = {"loss", "grad_norm", "clip_fraction", "entropy", "kl", "train_seconds"}
+        for key in known & metrics.keys():
+            setattr(stored, key, float(metrics[key]))
+        stored.extra = {k: float(v) for k, v in metrics.items() if k not in known}
+    following = session.get(Step, (run_id, step + 1))
+    if following is not None and following.status == StepStatus.RELEASED.value:
+        queue_training(ctx, step + 1)
+    check_completion(ctx)
+    session.flush()
+    return True
+
+
+def publish_weight_version(ctx: RunContext, version: int, path: str | None, trained_step: int | None) -> None:
+    """One row per (run, version) — the primary key refuses a second publication."""
+    if version != ctx.run.weight_version + 1 and not (version == 0 and trained_step is None):
+        raise ValueError(
+            f"weight versions are published in order: run {ctx.run.id} is at "
+            f"v{ctx.run.weight_version}, cannot publish v{version}"
+        )
+    ctx.session.add(
+        WeightVersion(
+            run_id=ctx.run.id, version=version, path=path, trained_step=trained_step, created_at=ctx.now
+        )
+    )
+    ctx.run.weight_version = version
+
+
+def newest_weights(session: Session, run_id: int) -> tuple[int, str | None] | None:
+    row = session.execute(
+        select(WeightVersion.version, WeightVersion.path)
+        .where(WeightVersion.run_id == run_id)
+        .order_by(WeightVersion.version.desc())
+        .limit(1)
+    ).first()
+    return (int(row[0]), row[1]) if row else None

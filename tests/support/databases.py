@@ -1,0 +1,55 @@
+"""Throw-away ledgers for tests: a fresh PostgreSQL database per test session (so that
+concurrent test sessions on one server never share state) and a fresh SQLite file per test."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+
+#: An admin URL of the test PostgreSQL server (any database; we create our own next to it).
+PG_ADMIN_URL = os.environ.get(
+    "REFILL_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+)
+
+
+@contextmanager
+def temporary_pg_database(prefix: str = "refill_test") -> Iterator[str]:
+    name = f"{prefix}_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{name}"'))
+    except Exception as error:  # noqa: BLE001 - re-raised with the fix
+        raise RuntimeError(
+            f"cannot create a test database on {make_url(PG_ADMIN_URL).render_as_string()}: "
+            f"{error}. Start PostgreSQL (see .ci/run) or point REFILL_TEST_PG_URL at a server."
+        ) from error
+    url = make_url(PG_ADMIN_URL).set(database=name).render_as_string(hide_password=False)
+    try:
+        yield url
+    finally:
+        with admin.connect() as conn:
+            conn.execute(
+                text(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE datname = :name AND pid <> pg_backend_pid()"
+                ),
+                {"name": name},
+            )
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}"'))
+        admin.dispose()
+
+
+def truncate_all(url: str) -> None:
+    from refill.models.tables import Base
+
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        names = ", ".join(t.name for t in Base.metadata.sorted_tables)
+        conn.execute(text(f"TRUNCATE {names} RESTART IDENTITY CASCADE"))
+    engine.dispose()
