@@ -54,13 +54,13 @@ def make_engine(url: str, *, echo: bool = False) -> Engine:
     """An Engine for the ledger at `url` (a SQLAlchemy URL)."""
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
+        in_memory = parsed.database in (None, "", ":memory:")
         engine = create_engine(
             url,
             echo=echo,
             connect_args={"check_same_thread": False, "timeout": 60},
             # The embedded runner uses the ledger from several threads.
-            pool_size=8,
-            max_overflow=8,
+            **({} if in_memory else {"pool_size": 8, "max_overflow": 8}),
         )
         _configure_sqlite(engine)
         return engine
