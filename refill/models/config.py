@@ -463,7 +463,13 @@ _ENV_BODY = re.compile(r"^(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?::-(?P<default>.*))?
 _NULLS = {"null", "Null", "NULL", "~"}
 
 
-def _expand_env(value: Any, path: str, environ: Mapping[str, str], problems: list[Problem]) -> Any:
+def _expand_env(
+    value: Any,
+    path: str,
+    environ: Mapping[str, str],
+    problems: list[Problem],
+    origins: dict[str, str] | None = None,
+) -> Any:
     """Expand `${VAR}` and `${VAR:-default}` in string values (`$${` is a literal `${`).
 
     `:-` takes the default when the variable is unset or empty, as in the shell. A value that is
@@ -471,11 +477,13 @@ def _expand_env(value: Any, path: str, environ: Mapping[str, str], problems: lis
     `max_num_steps: ${STEPS:-20}` stays an integer.
     """
     if isinstance(value, dict):
-        return {k: _expand_env(v, _join(path, k), environ, problems) for k, v in value.items()}
+        return {k: _expand_env(v, _join(path, k), environ, problems, origins) for k, v in value.items()}
     if isinstance(value, list):
-        return [_expand_env(v, f"{path}[{i}]", environ, problems) for i, v in enumerate(value)]
+        return [_expand_env(v, f"{path}[{i}]", environ, problems, origins) for i, v in enumerate(value)]
     if not isinstance(value, str) or "${" not in value:
         return value
+    if origins is not None:
+        origins[path] = value
 
     def replace(match: re.Match[str]) -> str:
         token = match.group(0)
@@ -779,6 +787,12 @@ def _error_to_problem(err: Mapping[str, Any], prefix: list[str]) -> Problem:
         return Problem(path, "must not be empty", "give it a value, or remove the key to use the default")
     if kind in ("model_type", "model_attributes_type", "dict_type"):
         return Problem(path, f"must be a mapping of keys, got {got}", "write it as indented key: value lines")
+    if kind == "missing" and loc and loc[-1].startswith("["):
+        # A tuple shorter than its type: report it on the tuple, not on the absent element.
+        parent = re.sub(r"\[\d+\]$", "", path)
+        return Problem(parent, f"must be a pair of numbers, got {got}", "write it as [0.9, 0.999]")
+    if kind == "missing":
+        return Problem(path, "is required", "set it")
     if kind in ("tuple_type", "too_long", "too_short"):
         return Problem(path, f"must be a pair of numbers, got {got}", "write it as [0.9, 0.999]")
     return Problem(path, err["msg"], "correct the value")
@@ -1091,7 +1105,8 @@ def _model_problems(name_or_path: str) -> Iterable[Problem]:
             return
     elif resolved.startswith(("/", ".", "~")) or resolved.count("/") > 1 or "\\" in resolved:
         # An explicit filesystem path that is not there; the Hub cache cannot hold it.
-        yield Problem(key, f"{resolved} does not exist (working directory: {Path.cwd()})", download)
+        where = "" if Path(resolved).is_absolute() else f" (relative to the working directory {Path.cwd()})"
+        yield Problem(key, f"{resolved} does not exist{where}", download)
         return
     try:
         # Imported here: transformers takes seconds to import and only this check needs it.
@@ -1242,7 +1257,8 @@ def config_from_dict(
         )
     load_warnings = _password_warnings(raw)
     env_problems: list[Problem] = []
-    raw = _expand_env(raw, "", env, env_problems)
+    origins: dict[str, str] = {}
+    raw = _expand_env(raw, "", env, env_problems, origins)
     problems += env_problems
     # Keys whose value is unusable; checks that read them are skipped (see _can_run).
     failed: set[str] = {".".join(re.split(r"[.\[]", p.path)[:2]) for p in env_problems}
@@ -1274,10 +1290,27 @@ def config_from_dict(
         if _can_run(reads, sections, failed):
             problems.extend(check(ns))
     if problems:
-        raise ConfigError(_dedupe(problems), source)
+        raise ConfigError(
+            _dedupe([p if p in env_problems else _with_origin(p, origins) for p in problems]), source
+        )
     cfg = RunConfig.model_validate(sections)
     cfg._load_warnings = load_warnings
     return cfg
+
+
+def _with_origin(problem: Problem, origins: Mapping[str, str]) -> Problem:
+    """Name the `${VAR}` a bad value came from, since the file alone does not show the value."""
+    written = origins.get(problem.path)
+    if written is None:
+        return problem
+    names = [m.group(1).split(":-", 1)[0] for m in _ENV_TOKEN.finditer(written) if m.group(1)]
+    if not names:
+        return problem
+    return Problem(
+        problem.path,
+        f"{problem.message} (the file says {written})",
+        f"{problem.fix}; or set {' / '.join(names)} in the environment",
+    )
 
 
 def _validate_section(key: str, value: Any) -> tuple[Any | None, list[Problem], set[str]]:

@@ -167,7 +167,9 @@ def load_dataset(config: Any) -> list[dict[str, Any]]:
         path = Path(data.train_path)
         if not path.is_file():
             what = "is a directory, not a JSONL file" if path.is_dir() else "does not exist"
-            raise DatasetError(source, [RowProblem(None, f"{what} (working directory: {Path.cwd()})")])
+            if not path.is_absolute():
+                what += f" (relative to the working directory {Path.cwd()})"
+            raise DatasetError(source, [RowProblem(None, what)])
         numbered, problems = _read_jsonl(path, data.max_rows)
     else:
         raise DatasetError("data", [RowProblem(None, "set data.train_path or data.builtin")])

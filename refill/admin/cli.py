@@ -1,0 +1,104 @@
+"""The `refill` command line.
+
+Structure: `app` is the root; each area of the product is a sub-app registered here with
+`app.add_typer(<area>_app, name="<area>")` (e.g. `config`), or a top-level command with
+`@app.command()`. Register only commands that work. Commands import heavy modules (SQLAlchemy
+sessions, Celery, torch) inside their bodies, so that `refill --help` and `refill config check`
+stay fast. Output and exit codes follow `refill.admin.console`: results on stdout, notes and
+errors on stderr, exit 1 for "checked and wrong", exit 2 for bad input.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from refill.admin.console import (
+    EXIT_BAD_INPUT,
+    EXIT_INVALID,
+    err_console,
+    fail,
+    note,
+    print_json,
+    print_yaml,
+    redact_url,
+    warn,
+)
+
+app = typer.Typer(
+    name="refill",
+    help="GRPO with DAPO-style dynamic sampling on a Celery fleet, with PostgreSQL as the run ledger.",
+    no_args_is_help=True,
+    add_completion=False,
+    # Locals in a traceback would print database URLs with their passwords.
+    pretty_exceptions_show_locals=False,
+)
+
+config_app = typer.Typer(help="Validate and show run configurations.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+
+
+@config_app.command("check")
+def config_check(
+    file: Annotated[Path, typer.Argument(help="A run config (YAML).", show_default=False)],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the resolved config as JSON.")] = False,
+    no_runtime: Annotated[
+        bool,
+        typer.Option(
+            "--no-runtime",
+            help="Skip the checks that import the reward function, read the data set and load "
+            "the model config (for a machine that does not hold them).",
+        ),
+    ] = False,
+) -> None:
+    """Validate FILE and print the resolved config (every default filled in).
+
+    Exit 0 when it can run (warnings go to stderr), 1 listing every problem as
+    `key.path: message. Fix: ...`, 2 when the file is missing or is not YAML.
+    """
+    from refill.models.config import (
+        BROKER_URL_ENV,
+        DATABASE_URL_ENV,
+        ConfigError,
+        ConfigFileError,
+        load_config,
+        resolved_urls,
+    )
+
+    try:
+        config = load_config(file, check_runtime=not no_runtime)
+    except ConfigFileError as exc:
+        fail(exc.message, EXIT_BAD_INPUT)
+    except ConfigError as exc:
+        count = len(exc.problems)
+        err_console.print(f"{file}: {count} problem{'s' if count != 1 else ''}:", markup=False)
+        for problem in exc.problems:
+            err_console.print(str(problem), markup=False)
+        raise typer.Exit(EXIT_INVALID) from None
+
+    snapshot = config.snapshot()
+    if as_json:
+        print_json(snapshot)
+    else:
+        print_yaml(snapshot)
+    for message in config.warnings():
+        warn(message)
+    db_url, broker_url = resolved_urls(config)
+    for env_name, key, effective in ((DATABASE_URL_ENV, "infra.database_url", db_url),
+                                     (BROKER_URL_ENV, "infra.broker_url", broker_url)):
+        if os.environ.get(env_name):
+            note(f"{key}: {env_name} overrides it: {redact_url(effective)}")
+    skipped = " (run-time checks skipped)" if no_runtime else ""
+    note(f"{file}: OK{skipped}; ledger {redact_url(db_url)}, broker {redact_url(broker_url)}, "
+         f"config hash {config.config_hash()[:12]}")
+
+
+def main() -> None:
+    app(prog_name="refill")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Output helpers shared by every `refill` command.
+
+Conventions every command follows, so scripts can rely on them:
+- results go to stdout (a rich table for people, `print_json` for `--json`); notes, warnings and
+  errors go to stderr, so `refill ... --json | jq` always reads clean JSON;
+- an error is one line, `error: ...`, and a known exit code (`fail`), never a traceback;
+- exit codes: 0 success, 1 the thing checked is wrong (a config, a ledger invariant),
+  2 bad input (no such file, run, step or slot; unreadable YAML; usage errors).
+- URLs are printed through `redact_url`, so a password never reaches a terminal or a log.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, NoReturn
+
+import typer
+import yaml
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from refill.models.config import redact_url
+
+__all__ = [
+    "EXIT_BAD_INPUT",
+    "EXIT_INVALID",
+    "err_console",
+    "fail",
+    "note",
+    "out_console",
+    "print_json",
+    "print_table",
+    "print_yaml",
+    "redact_url",
+    "warn",
+]
+
+EXIT_INVALID = 1
+EXIT_BAD_INPUT = 2
+
+# soft_wrap: rich would otherwise break long lines at the terminal width, which splits the
+# `key.path: message. Fix: ...` lines that people grep. highlight off: colouring numbers and
+# paths inside plain messages reads as noise.
+out_console = Console(soft_wrap=True, highlight=False)
+err_console = Console(stderr=True, soft_wrap=True, highlight=False)
+
+
+def print_json(data: Any) -> None:
+    """`data` as indented JSON on stdout; plain text, never rich markup, so it always parses."""
+    sys.stdout.write(json.dumps(data, indent=2, default=str, ensure_ascii=False) + "\n")
+    sys.stdout.flush()
+
+
+def print_yaml(data: Any) -> None:
+    """`data` as block YAML on stdout, keys in their given order."""
+    sys.stdout.write(yaml.safe_dump(data, sort_keys=False, default_flow_style=False, allow_unicode=True))
+    sys.stdout.flush()
+
+
+def print_table(
+    rows: Iterable[Mapping[str, Any]] | Iterable[Sequence[Any]],
+    columns: Sequence[str] | None = None,
+    *,
+    title: str | None = None,
+) -> None:
+    """A rich table on stdout. Rows are mappings (columns default to the first row's keys) or
+    sequences (then `columns` is required). None prints as an empty cell; numeric columns are
+    right-aligned."""
+    rows = list(rows)
+    if columns is None:
+        if rows and not isinstance(rows[0], Mapping):
+            raise ValueError("print_table needs columns for rows that are not mappings")
+        columns = list(rows[0].keys()) if rows else []
+    cells = [
+        [row.get(c) for c in columns] if isinstance(row, Mapping) else list(row)
+        for row in rows
+    ]
+    table = Table(title=title, show_lines=False)
+    for i, column in enumerate(columns):
+        values = [r[i] for r in cells if i < len(r) and r[i] is not None]
+        numeric = bool(values) and all(
+            isinstance(v, int | float) and not isinstance(v, bool) for v in values
+        )
+        table.add_column(column, justify="right" if numeric else "left")
+    for row in cells:
+        # Text() keeps square brackets in values (slot ids, lists) from being read as markup.
+        table.add_row(*(Text("" if v is None else _cell(v)) for v in row))
+    out_console.print(table)
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def note(message: str) -> None:
+    """A line for people on stderr (progress, context), kept out of stdout."""
+    err_console.print(message, markup=False)
+
+
+def warn(message: str) -> None:
+    err_console.print(Text("warning: ", style="yellow") + Text(message))
+
+
+def fail(message: str, code: int = EXIT_INVALID) -> NoReturn:
+    """Print `error: message` on stderr and exit with `code`."""
+    err_console.print(Text("error: ", style="bold red") + Text(message))
+    raise typer.Exit(code)
