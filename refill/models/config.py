@@ -929,18 +929,17 @@ def _custom_sampler_problems(import_path: str | None) -> Iterable[Problem]:
         yield Problem(path, exc.message, exc.fix)
         return
     # ... then built exactly as the run will build it, so what passes here is what runs.
-    from refill.models.samplers import load_custom
+    from refill.models.samplers import SamplerError, load_custom
 
+    fix = ("give it callable place and lender (see refill.models.samplers.Sampler) and a "
+           "constructor that needs no arguments, or use a builtin sampler")
     try:
         load_custom(import_path)
+    except SamplerError as exc:
+        yield Problem(path, str(exc), fix)
     except Exception as exc:
         # Whatever the sampler's constructor raises means the run could not build it either.
-        yield Problem(
-            path,
-            f"{import_path!r} cannot assign steps: {type(exc).__name__}: {exc}",
-            "give it callable place and lender (see refill.models.samplers.Sampler), and a "
-            "constructor that needs no arguments, or use a builtin sampler",
-        )
+        yield Problem(path, f"{import_path!r} cannot be built: {type(exc).__name__}: {exc}", fix)
 
 
 @_check("data.train_path", "data.builtin")
@@ -1199,12 +1198,30 @@ def _config_warnings(cfg: RunConfig, environ: Mapping[str, str]) -> list[str]:
         out.append(f"optimizer.warmup_steps: {cfg.optimizer.warmup_steps} exceeds grpo.max_num_steps "
                    f"({g.max_num_steps}), so the run ends before the learning rate is reached. "
                    "Lower warmup_steps.")
+    if not (gen.backend == "sim" and cfg.infra.trainer == "null") and not cfg.model.warm_start.enabled \
+            and _has_no_weights(cfg.model.name_or_path):
+        out.append(
+            f"model.warm_start.enabled: {cfg.model.name_or_path} holds a config but no weights, so the "
+            "model starts from random initialisation, solves nothing, and every group is filtered as "
+            "zero-variance. Set model.warm_start.enabled: true."
+        )
     db, broker = resolved_urls(cfg, environ)
     if db.startswith("sqlite") and broker != EMBEDDED_BROKER_URL:
         out.append(f"infra.database_url: the broker is {redact_url(broker)} but the ledger is a SQLite "
                    "file, which workers on other machines cannot reach. Set infra.database_url (or "
                    f"{DATABASE_URL_ENV}) to a PostgreSQL URL.")
     return out
+
+
+def _has_no_weights(name_or_path: str) -> bool:
+    from refill.assets import resolve_model_path
+
+    try:
+        path = Path(resolve_model_path(name_or_path))
+    except FileNotFoundError:
+        return False  # reported by the run-time model check
+    weights = ("*.safetensors", "*.bin", "*.pt", "*.pth")
+    return path.is_dir() and not any(next(path.glob(pattern), None) for pattern in weights)
 
 
 def _budget_for(p: float, draws: int) -> int:

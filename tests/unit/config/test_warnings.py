@@ -72,5 +72,16 @@ def test_knobs_of_other_backends_and_samplers_warn() -> None:
     assert any(w.startswith("async_rl.sampler:") for w in warnings)
 
 
-def test_default_config_has_no_warnings() -> None:
-    assert build().warnings({}) == []
+def test_model_without_weights_and_without_warm_start_warns() -> None:
+    # The shipped tiny model is a config and a tokenizer: random weights until warmed up.
+    [warning] = build().warnings({})
+    assert warning.startswith("model.warm_start.enabled:")
+    assert "Set model.warm_start.enabled: true" in warning
+    assert build({"model": {"warm_start": {"enabled": True}}}).warnings({}) == []
+    assert build({"generation": {"backend": "sim"}, "infra": {"trainer": "null"}}).warnings({}) == []
+
+
+def test_model_with_weights_does_not_need_a_warm_start(tmp_path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert build({"model": {"name_or_path": str(tmp_path)}}).warnings({}) == []
