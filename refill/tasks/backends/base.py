@@ -1,0 +1,201 @@
+"""The generation engine interface shared by the ``sim``, ``hf`` and ``vllm`` back-ends.
+
+An engine turns a list of ``GenerationRequest`` (one prompt group each) into one entry per
+request: a ``GenerationOutput`` or an ``Exception``. An exception in the list fails that request
+only; an exception raised by ``generate`` fails the whole list (the engine crashed).
+
+Nothing here imports torch, transformers, vllm or Celery: the heavy back-ends are imported by
+``make_engine`` only when the configuration asks for them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from refill.models.payload import Completion
+
+BACKENDS = ("sim", "hf", "vllm")
+
+_MISSING = object()
+
+
+@dataclass
+class GenerationRequest:
+    """One attempt: ``n`` completions of ``prompt``, sampled with these parameters."""
+
+    attempt_id: int
+    prompt: str
+    row: dict[str, Any]
+    n: int
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    seed: int
+    min_weight_version: int = 0
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"attempt {self.attempt_id}: n must be at least 1, not {self.n}")
+        if self.max_new_tokens < 1:
+            raise ValueError(
+                f"attempt {self.attempt_id}: max_new_tokens must be at least 1, not {self.max_new_tokens}"
+            )
+        if self.temperature < 0:
+            raise ValueError(f"attempt {self.attempt_id}: temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(
+                f"attempt {self.attempt_id}: top_p must be in (0, 1], not {self.top_p}"
+            )
+
+    @classmethod
+    def from_message(cls, message: Any) -> GenerationRequest:
+        """Build from a ``refill.models.payload.GenerateMessage`` (or anything with its fields)."""
+        return cls(
+            attempt_id=message.attempt_id,
+            prompt=message.prompt,
+            row=message.row,
+            n=message.n,
+            temperature=message.temperature,
+            top_p=message.top_p,
+            max_new_tokens=message.max_new_tokens,
+            seed=message.seed,
+            min_weight_version=message.min_weight_version,
+        )
+
+
+@dataclass
+class GenerationOutput:
+    """The group an engine produced for one request.
+
+    ``weight_version`` is the version the completions were sampled with (stamped by
+    ``BatchingEngine``, since the engine may load a newer one right after). ``generation_seconds``
+    is the engine time of the batch the group was part of; the ``sim`` back-end sets it to the
+    latency it simulated (in virtual mode it never slept it).
+    """
+
+    prompt_token_ids: list[int]
+    completions: list[Completion]
+    weight_version: int | None = None
+    generation_seconds: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class EngineError(RuntimeError):
+    """An infrastructure failure of one request (the attempt is retried on the same prompt)."""
+
+
+@runtime_checkable
+class Engine(Protocol):
+    weight_version: int | None
+
+    def generate(self, requests: list[GenerationRequest]) -> list[GenerationOutput | Exception]: ...
+
+    def load_weights(self, version: int, path: str | None) -> None: ...
+
+    def close(self) -> None: ...
+
+
+# ---------------------------------------------------------------------------- config access
+
+
+def cfg(config: Any, dotted: str, default: Any = _MISSING) -> Any:
+    """Read ``a.b.c`` from the run config, a mapping, or any nesting of the two.
+
+    The run config is a pydantic model written elsewhere; tests use ``SimpleNamespace``. A key
+    that is absent, or present as ``None`` where a default is given, yields the default, so that
+    every knob of the back-ends has one documented default here even before the schema lists it.
+    """
+    node = config
+    for part in dotted.split("."):
+        if node is None:
+            node = _MISSING
+            break
+        if isinstance(node, Mapping):
+            node = node.get(part, _MISSING)
+        else:
+            node = getattr(node, part, _MISSING)
+        if node is _MISSING:
+            break
+    if node is _MISSING or (node is None and default is not _MISSING):
+        if default is _MISSING:
+            raise KeyError(f"the run config has no {dotted!r}")
+        return default
+    return node
+
+
+def make_engine(config: Any, **kwargs: Any) -> Engine:
+    """Build the engine named by ``generation.backend`` ("sim" | "hf" | "vllm").
+
+    Extra keyword arguments go to the back-end's ``from_config`` (test hooks such as
+    ``llm_factory`` for vllm, ``virtual`` for sim).
+    """
+    backend = cfg(config, "generation.backend", "sim")
+    if backend == "sim":
+        from refill.tasks.backends.sim import SimEngine
+
+        return SimEngine.from_config(config, **kwargs)
+    if backend == "hf":
+        from refill.tasks.backends.hf import HFEngine
+
+        return HFEngine.from_config(config, **kwargs)
+    if backend == "vllm":
+        from refill.tasks.backends.vllm import VLLMEngine
+
+        return VLLMEngine.from_config(config, **kwargs)
+    raise ValueError(f"generation.backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
+
+
+# ---------------------------------------------------------------------------- helpers shared by back-ends
+
+
+def stable_seed(*parts: object) -> int:
+    """A 63-bit seed derived from values, identical across processes (unlike ``hash()``)."""
+    digest = hashlib.blake2b(repr(parts).encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
+
+
+def encode_prompt(tokenizer: Any, prompt: str, use_chat_template: bool) -> list[int]:
+    """Token ids of a prompt, the same way for every tokenizer-based back-end.
+
+    With ``use_chat_template`` the prompt becomes one user message rendered by the tokenizer's
+    template (with the generation prompt appended). The rendered text is encoded without adding
+    special tokens, because templates already write their own BOS; encoding plain prompts does add
+    them, as the model was trained with them.
+    """
+    if use_chat_template:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                "generation.use_chat_template is true but the tokenizer has no chat template; "
+                "set generation.use_chat_template: false or use a tokenizer that ships one"
+            )
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    else:
+        ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    ids = [int(t) for t in ids]
+    if not ids:
+        raise ValueError(
+            "the prompt encodes to no tokens; a model needs at least one to condition on"
+        )
+    return ids
+
+
+def eos_token_ids(*sources: Any) -> set[int]:
+    """The end-of-sequence ids named by a tokenizer and/or generation/model configs."""
+    ids: set[int] = set()
+    for source in sources:
+        if source is None:
+            continue
+        value = getattr(source, "eos_token_id", None)
+        if value is None:
+            continue
+        if isinstance(value, Sequence):
+            ids.update(int(v) for v in value)
+        else:
+            ids.add(int(value))
+    return ids

@@ -1,0 +1,80 @@
+"""The back-ends read the real run config (refill.models.config), not only stand-ins."""
+
+from __future__ import annotations
+
+import pytest
+
+from refill.models.config import RunConfig
+from refill.tasks.backends.base import cfg, make_engine
+from refill.tasks.backends.batching import BatchingEngine
+from refill.tasks.backends.sim import SimEngine
+
+
+def test_sim_engine_and_batcher_from_a_run_config():
+    config = RunConfig.model_validate(
+        {
+            "run": {"seed": 5},
+            "generation": {
+                "backend": "sim",
+                "groups_in_flight": 4,
+                "max_batch_wait_ms": 25,
+                "sim": {
+                    "zero_variance_fraction": 0.4,
+                    "virtual": True,
+                    "failure_rate": 0.1,
+                    "latency": {"distribution": "lognormal", "mean_seconds": 0.5, "sigma": 0.3},
+                },
+            },
+        }
+    )
+    engine = make_engine(config)
+    assert isinstance(engine, SimEngine)
+    assert engine.seed == 5  # generation.sim.seed unset: the run seed
+    assert engine.zero_variance_fraction == 0.4 and engine.virtual and engine.failure_rate == 0.1
+    assert (engine.latency.distribution, engine.latency.mean_seconds, engine.latency.sigma) == (
+        "lognormal",
+        0.5,
+        0.3,
+    )
+    batching = BatchingEngine.from_config(engine, config)
+    try:
+        assert batching._batcher.max_batch == 4
+        assert batching._batcher.max_wait_s == pytest.approx(0.025)
+    finally:
+        batching.close()
+
+
+def test_cfg_reads_mappings_objects_and_defaults():
+    config = RunConfig.model_validate({"generation": {"sim": {"seed": 9}}})
+    assert cfg(config, "generation.sim.seed") == 9
+    assert cfg(config, "generation.sim.key_field", "text") == "text"  # None -> default
+    assert cfg({"a": {"b": 1}}, "a.b") == 1
+    assert cfg(config, "generation.hf.device", "auto") == "auto"
+    with pytest.raises(KeyError, match="generation.nothing"):
+        cfg(config, "generation.nothing")
+
+
+def test_hf_engine_from_the_default_run_config():
+    pytest.importorskip("torch")
+    import torch
+
+    torch.set_num_threads(1)
+    config = RunConfig.model_validate({"generation": {"backend": "hf", "max_new_tokens": 4}})
+    engine = make_engine(config)
+    from refill.tasks.backends.base import GenerationRequest
+
+    out = engine.generate(
+        [
+            GenerationRequest(
+                attempt_id=1,
+                prompt="2+2=",
+                row={},
+                n=2,
+                temperature=1.0,
+                top_p=1.0,
+                max_new_tokens=4,
+                seed=1,
+            )
+        ]
+    )[0]
+    assert len(out.completions) == 2
