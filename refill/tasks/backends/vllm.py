@@ -21,7 +21,9 @@ decoded_token)}`` per generated position. By default those are *raw* log-probs (
 temperature and top-p); the engine is built with ``logprobs_mode="processed_logprobs"`` so they
 are taken after temperature and top-k/top-p, i.e. under the distribution the token was sampled
 from, the same quantity the ``hf`` back-end returns (see its docstring for why the trainer wants
-that one). ``CompletionOutput.token_ids`` includes the EOS token when generation stopped on it.
+that one). ``logprobs_mode`` came with vLLM PR #21398 and its processed modes were made the final
+values (after top-k/top-p and temperature) by PR #22387 (August 2025); older vLLMs reject the
+argument. ``CompletionOutput.token_ids`` includes the EOS token when generation stopped on it.
 
 Weights in place (verified against ``vllm/v1/worker/gpu_model_runner.py`` and
 ``vllm/entrypoints/llm.py``): ``LLM.collective_rpc(method, timeout=None, args=(), kwargs=None)``
