@@ -242,5 +242,7 @@ def extra_attempts(slots_needed: int, live_attempts: int, p: float, safety_sigma
     z = safety_sigmas
     b = z * math.sqrt(p * q)
     root = (b + math.sqrt(b * b + 4 * q * slots_needed)) / (2 * q)
-    wanted = math.ceil(root * root)
+    # The epsilon keeps an exact answer (sqrt(4 * 5) / 2 squared is 5.000000000000001) from
+    # rounding up to one attempt too many, as in min_step_groups.
+    wanted = math.ceil(root * root - 1e-9)
     return max(0, min(cap, wanted - live_attempts))
