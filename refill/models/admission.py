@@ -24,10 +24,19 @@ class Admitted:
 def admit_steps(session: Session, run_id: int, now: datetime | None = None) -> Admitted:
     """Admit every step the gate allows; draw the spare pool up to its mark."""
     ctx = RunContext.open(session, run_id, now)
-    result = Admitted()
+    result = Admitted(steps=admit(ctx))
+    session.flush()
+    result.outbox_ids = ctx.outbox_ids
+    return result
+
+
+def admit(ctx: RunContext) -> list[int]:
+    """Admission inside an open unit of work (the trainer calls it right after publishing a
+    weight version, so the next step's generation does not wait for a controller tick)."""
+    steps: list[int] = []
     run, settings = ctx.run, ctx.settings
     if not ctx.running or run.stop_requested:
-        return result
+        return steps
     while (
         run.next_step < settings.max_num_steps
         and not run.loader_exhausted
@@ -40,12 +49,10 @@ def admit_steps(session: Session, run_id: int, now: datetime | None = None) -> A
                 add_to_pool(ctx, prompt_ids)
             break
         open_step(ctx, run.next_step, prompt_ids)
-        result.steps.append(run.next_step)
+        steps.append(run.next_step)
         run.next_step += 1
     refill_spare_pool(ctx)
-    session.flush()
-    result.outbox_ids = ctx.outbox_ids
-    return result
+    return steps
 
 
 def open_step(ctx: RunContext, step: int, prompt_ids: list[int]) -> Step:

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 from refill.models.payload import ResultMessage
 
-
 # --- the zero-variance filter ------------------------------------------------------------
 
 
@@ -98,7 +97,7 @@ def budget_exhausted_message(
 # --- rollout failures (SPEC §3.6) --------------------------------------------------------
 
 
-class AfterDrop(str, enum.Enum):
+class AfterDrop(enum.StrEnum):
     REPLACE = "replace"
     SHRINK = "shrink"
 
@@ -175,7 +174,7 @@ def spare_refill_needed(pool_size: int, reserve: int, loader_exhausted: bool) ->
     return not loader_exhausted and pool_size < reserve
 
 
-class Source(str, enum.Enum):
+class Source(enum.StrEnum):
     BORROW = "borrow"
     SPARE = "spare"
     SHRINK = "shrink"

@@ -46,7 +46,7 @@ from refill.models.tables import (
 log = logging.getLogger(__name__)
 
 
-class Outcome(str, enum.Enum):
+class Outcome(enum.StrEnum):
     COMMITTED = "COMMITTED"
     FILTERED = "FILTERED"
     FAILED = "FAILED"

@@ -108,16 +108,26 @@ def start_run(
     controller_id: str,
     *,
     takeover_after_seconds: float = 30.0,
+    previous_controller: str | None = None,
     now: datetime | None = None,
 ) -> Run:
     """Make `controller_id` the run's controller and the run `running`.
 
     Only one controller drives a run: another one that heartbeated within
-    `takeover_after_seconds` keeps it. A `running` run whose controller went silent (it
+    `takeover_after_seconds` keeps it, unless it is `previous_controller` handing over (a
+    detached controller's next slice). A `running` run whose controller went silent (it
     crashed) and a `stopped` run are resumed; slots left without a live attempt get one.
     """
     ctx = RunContext.open(session, run_id, now)
     run = ctx.run
+    if (
+        previous_controller is not None
+        and run.status == RunStatus.RUNNING.value
+        and run.controller_id == previous_controller
+    ):
+        run.controller_id = controller_id[:200]
+        run.controller_seen_at = ctx.now
+        return run
     if run.status in (RunStatus.COMPLETED.value,):
         raise RunStateError(f"run {run_id} is completed ({run.end_reason}); start a new run instead")
     if run.status == RunStatus.FAILED.value and run.end_reason != "fleet_failed":
@@ -221,6 +231,13 @@ def stop_run(session: Session, run_id: int, now: datetime | None = None) -> int:
     ctx.run.finished_at = ctx.now
     ctx.run.controller_id = None
     return cancel_live_attempts(ctx, "run stopped")
+
+
+def check_run(session: Session, run_id: int, now: datetime | None = None) -> str:
+    """The controller's safety net: complete the run if nothing is left to do."""
+    ctx = RunContext.open(session, run_id, now)
+    check_completion(ctx)
+    return ctx.run.status
 
 
 def check_completion(ctx: RunContext) -> bool:

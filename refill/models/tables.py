@@ -85,7 +85,7 @@ def _in(column: str, enum_cls: type[enum.Enum]) -> str:
     return f"{column} IN ({values})"
 
 
-class RunStatus(str, enum.Enum):
+class RunStatus(enum.StrEnum):
     CREATED = "created"
     RUNNING = "running"
     COMPLETED = "completed"
@@ -93,25 +93,25 @@ class RunStatus(str, enum.Enum):
     STOPPED = "stopped"
 
 
-class StepStatus(str, enum.Enum):
+class StepStatus(enum.StrEnum):
     OPEN = "open"  # admitted, filling
     RELEASED = "released"  # full; handed to the trainer exactly once
     TRAINING = "training"  # a trainer claimed it
     TRAINED = "trained"  # weight version step+1 published
 
 
-class SlotStatus(str, enum.Enum):
+class SlotStatus(enum.StrEnum):
     OPEN = "open"
     COMMITTED = "committed"
     SHRUNK = "shrunk"
 
 
-class ShrinkReason(str, enum.Enum):
+class ShrinkReason(enum.StrEnum):
     END_OF_DATA = "end_of_data"  # spare pool dry and loader exhausted: not a tuning problem
     DROPPED = "dropped"  # rollout failures used up the slot's drop budget
 
 
-class AttemptState(str, enum.Enum):
+class AttemptState(enum.StrEnum):
     PENDING = "pending"  # written with its outbox row, not yet handed to the broker
     QUEUED = "queued"  # on the generate queue
     RUNNING = "running"  # a worker holds the lease
@@ -125,7 +125,7 @@ class AttemptState(str, enum.Enum):
         return (cls.PENDING, cls.QUEUED, cls.RUNNING)
 
 
-class AttemptReason(str, enum.Enum):
+class AttemptReason(enum.StrEnum):
     FIRST = "first"  # the slot's own prompt
     RETRY = "retry"  # same prompt after an infra failure
     FILTER_REPLACEMENT = "filter_replacement"  # spare prompt after a zero-variance group
@@ -134,13 +134,13 @@ class AttemptReason(str, enum.Enum):
     EXTRA = "extra"  # over-dispatch: serves the step, not one slot
 
 
-class FailureKind(str, enum.Enum):
+class FailureKind(enum.StrEnum):
     INFRA = "infra"
     DATA = "data"
     STALE = "stale"  # finished, but too stale for every step still open
 
 
-class RejectReason(str, enum.Enum):
+class RejectReason(enum.StrEnum):
     DUPLICATE = "duplicate"
     LATE = "late"
     UNKNOWN = "unknown"
@@ -432,7 +432,7 @@ class StepMetrics(Base):
     extra: Mapped[dict[str, Any] | None]
 
 
-class OutboxKind(str, enum.Enum):
+class OutboxKind(enum.StrEnum):
     GENERATE = "generate"
     TRAIN_STEP = "train_step"
 

@@ -16,6 +16,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from refill.models import decisions
+from refill.models.admission import admit
 from refill.models.context import RunContext
 from refill.models.metrics import seconds_between
 from refill.models.payload import Completion, TrainGroup
@@ -129,15 +130,16 @@ def finish_training(
     weights_path: str | None,
     metrics: dict[str, float],
     now: datetime | None = None,
-) -> bool:
-    """Publish version step+1 and mark the step trained; False if this trainer lost the step
-    (another trainer finished it, or the run ended) and its work must be discarded."""
+) -> list[int] | None:
+    """Publish version step+1 and mark the step trained, then admit what the new version
+    unlocks. Returns the outbox rows written (to relay at once), or None if this trainer lost
+    the step (another trainer finished it, or the run ended) and its work must be discarded."""
     ctx = RunContext.open(session, run_id, now)
     row = session.get(Step, (run_id, step))
     if row is None or row.status != StepStatus.TRAINING.value or row.trainer_id != trainer_id[:200]:
-        return False
+        return None
     if ctx.run.weight_version != step:
-        return False
+        return None
     publish_weight_version(ctx, step + 1, weights_path, trained_step=step)
     row.status = StepStatus.TRAINED.value
     row.trained_at = ctx.now
@@ -161,9 +163,10 @@ def finish_training(
     following = session.get(Step, (run_id, step + 1))
     if following is not None and following.status == StepStatus.RELEASED.value:
         queue_training(ctx, step + 1)
+    admit(ctx)
     check_completion(ctx)
     session.flush()
-    return True
+    return ctx.outbox_ids
 
 
 def publish_weight_version(ctx: RunContext, version: int, path: str | None, trained_step: int | None) -> None:

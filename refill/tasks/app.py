@@ -1,0 +1,89 @@
+"""The Celery app: queues, routing and the settings that make the fleet safe to crash.
+
+- JSON only, on the wire and in what a worker will accept: a pickle message is refused
+  before any code of ours sees it.
+- `task_acks_late` + `task_reject_on_worker_lost`: a message is acknowledged after its task
+  returned, so a worker that dies mid-task leaves it to be delivered again. Receivers are
+  idempotent (the ledger keys every effect by attempt id or step), so a repeat is harmless.
+- Prefetch 1: a generation worker never hoards groups another worker could be running.
+- The Redis visibility timeout is far above any lease: an unacknowledged message comes back
+  only after its work is certainly abandoned, and the ledger's reaper has usually
+  re-dispatched it long before (the repeat is then refused by the lease handshake).
+- No result backend, no chords or groups: nothing depends on Celery results (SPEC §2).
+
+`celery -A refill.tasks.app worker ...` finds `app` here (built from REFILL_BROKER_URL); the
+embedded runner and tests build their own with `make_app`. `refill worker ROLE` builds the
+right command line for each role (refill.tasks.workers).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from celery import Celery
+from kombu import Exchange, Queue
+
+from refill.tasks.queues import CONTROL, QUEUES, ROUTES
+
+EMBEDDED_BROKER = "memory://"
+#: Seconds an unacknowledged message stays invisible on Redis before it is delivered again.
+DEFAULT_VISIBILITY_TIMEOUT = 6 * 3600
+
+
+def broker_url_from_env() -> str:
+    return os.environ.get("REFILL_BROKER_URL") or EMBEDDED_BROKER
+
+
+def celery_settings(broker_url: str) -> dict[str, Any]:
+    transport_options: dict[str, Any] = {
+        "visibility_timeout": int(
+            os.environ.get("REFILL_VISIBILITY_TIMEOUT", DEFAULT_VISIBILITY_TIMEOUT)
+        )
+    }
+    prefix = os.environ.get("REFILL_BROKER_PREFIX")
+    if prefix:
+        # Several fleets (or test sessions) can share one Redis without seeing each other.
+        transport_options["global_keyprefix"] = prefix
+    if broker_url.startswith("memory://"):
+        # kombu's in-memory transport polls; its default of 1 s would make every hop slow.
+        transport_options = {"polling_interval": 0.005}
+    exchange = Exchange("refill", type="direct")
+    return {
+        "broker_url": broker_url,
+        "broker_transport_options": transport_options,
+        "broker_connection_retry_on_startup": True,
+        "broker_connection_max_retries": None,
+        "result_backend": None,
+        "task_ignore_result": True,
+        "task_serializer": "json",
+        "result_serializer": "json",
+        "accept_content": ["json"],
+        "event_serializer": "json",
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "task_acks_on_failure_or_timeout": True,
+        "worker_prefetch_multiplier": 1,
+        "worker_hijack_root_logger": False,
+        "worker_cancel_long_running_tasks_on_connection_loss": True,
+        "task_default_queue": CONTROL,
+        "task_default_exchange": "refill",
+        "task_queues": [Queue(name, exchange, routing_key=name) for name in QUEUES],
+        "task_routes": {name: {"queue": queue, "routing_key": queue} for name, queue in ROUTES.items()},
+        "task_create_missing_queues": False,
+        "worker_send_task_events": False,
+        "task_send_sent_event": False,
+    }
+
+
+def make_app(broker_url: str | None = None, name: str = "refill") -> Celery:
+    """A configured app with every refill task registered."""
+    app = Celery(name, set_as_current=False)
+    app.conf.update(celery_settings(broker_url or broker_url_from_env()))
+    from refill.tasks import definitions
+
+    definitions.register(app)
+    return app
+
+
+app = make_app()

@@ -1,0 +1,168 @@
+"""The controller: the loop that keeps a run moving and ends it.
+
+Most of a run's progress happens without it: the consumer relays the replacements it
+decides, the trainer admits the steps its new weights unlock. The controller is the safety
+net and the clock: it admits steps, relays whatever is still in the outbox (rows whose
+immediate relay failed, retries whose back-off has passed), reaps expired leases, notices
+the end of the run, applies a requested stop, and reports progress.
+
+It runs in the foreground of `refill run start|resume`, or detached on a `control` worker as
+a chain of time slices (`refill.drive_run`): each slice hands over to the next through the
+ledger, so a repeated message finds its slice already taken and stops, and a control worker
+that dies mid-slice leaves the run to the next `refill run resume` or the redelivered slice.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from celery import Celery
+
+from refill.models.admission import admit_steps
+from refill.models.db import Ledger
+from refill.models.leases import expire_leases
+from refill.models.queries import RunProgress, run_progress
+from refill.models.runs import (
+    RunStateError,
+    check_run,
+    controller_heartbeat,
+    start_run,
+    stop_run,
+)
+from refill.models.tables import RunStatus
+from refill.tasks.queues import CONTROL, TASK_DRIVE_RUN
+from refill.tasks.relay import relay
+
+log = logging.getLogger(__name__)
+
+SLICE_SECONDS = 60.0
+
+
+def new_controller_id(prefix: str = "controller") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:12]}"
+
+
+class Controller:
+    def __init__(
+        self,
+        ledger: Ledger,
+        app: Celery,
+        run_id: int,
+        controller_id: str | None = None,
+        *,
+        relay_interval: float = 0.05,
+        housekeeping_interval: float = 1.0,
+    ) -> None:
+        self.ledger = ledger
+        self.app = app
+        self.run_id = run_id
+        self.controller_id = controller_id or new_controller_id()
+        self.relay_interval = relay_interval
+        self.housekeeping_interval = housekeeping_interval
+        self._last_housekeeping = 0.0
+
+    def start(self, *, previous_controller: str | None = None, takeover_after_seconds: float = 30.0) -> None:
+        """Take control of the run (resuming it if it was stopped or its controller died)."""
+        self.ledger.transaction(
+            lambda s: start_run(
+                s,
+                self.run_id,
+                self.controller_id,
+                takeover_after_seconds=takeover_after_seconds,
+                previous_controller=previous_controller,
+            ),
+            what="start run",
+        )
+
+    def tick(self) -> str:
+        """One pass of the loop; returns the run's status."""
+        now = time.monotonic()
+        if now - self._last_housekeeping >= self.housekeeping_interval:
+            self._last_housekeeping = now
+            status = self._housekeeping()
+            if status != RunStatus.RUNNING.value:
+                return status
+        relay(self.ledger, self.app, claimer=self.controller_id, run_id=self.run_id)
+        return RunStatus.RUNNING.value
+
+    def _housekeeping(self) -> str:
+        run = self.ledger.transaction(
+            lambda s: controller_heartbeat(s, self.run_id, self.controller_id), what="controller heartbeat"
+        )
+        if run.status != RunStatus.RUNNING.value:
+            return run.status
+        if run.stop_requested:
+            cancelled = self.ledger.transaction(lambda s: stop_run(s, self.run_id), what="stop run")
+            log.info("run %s stopped; %d attempts in flight cancelled", self.run_id, cancelled)
+            return RunStatus.STOPPED.value
+        self.ledger.transaction(lambda s: admit_steps(s, self.run_id), what="admit steps")
+        reaped = self.ledger.transaction(lambda s: expire_leases(s, self.run_id), what="reap leases")
+        if reaped.attempts or reaped.train_steps:
+            log.warning(
+                "run %s: %d generation leases and %d training leases expired",
+                self.run_id,
+                reaped.attempts,
+                reaped.train_steps,
+            )
+        return self.ledger.transaction(lambda s: check_run(s, self.run_id), what="check run")
+
+    def progress(self) -> RunProgress:
+        return self.ledger.transaction(lambda s: run_progress(s, self.run_id), what="read progress")
+
+    def run(
+        self,
+        *,
+        on_progress: Callable[[RunProgress], Any] | None = None,
+        progress_every: float = 0.5,
+        max_seconds: float | None = None,
+    ) -> str:
+        """Loop until the run is no longer running (or `max_seconds` passed); returns its status."""
+        started = time.monotonic()
+        last_progress = 0.0
+        status = RunStatus.RUNNING.value
+        while True:
+            status = self.tick()
+            now = time.monotonic()
+            if on_progress is not None and (status != RunStatus.RUNNING.value or now - last_progress >= progress_every):
+                last_progress = now
+                on_progress(self.progress())
+            if status != RunStatus.RUNNING.value:
+                return status
+            if max_seconds is not None and now - started >= max_seconds:
+                return status
+            time.sleep(self.relay_interval)
+
+
+def drive_slice(runtime: Any, body: dict[str, Any]) -> str:
+    """One slice of a detached controller (the `refill.drive_run` task)."""
+    run_id = int(body["run_id"])
+    base = str(body["controller"])
+    number = int(body.get("slice", 0))
+    me = f"{base}#{number}"
+    previous = f"{base}#{number - 1}" if number > 0 else None
+    controller = Controller(runtime.ledger, runtime.app, run_id, me)
+    try:
+        controller.start(previous_controller=previous)
+    except RunStateError as error:
+        log.info("slice %s of run %s does not drive it: %s", me, run_id, error)
+        return "not-mine"
+    status = controller.run(max_seconds=float(body.get("slice_seconds", SLICE_SECONDS)))
+    if status == RunStatus.RUNNING.value:
+        send_drive(runtime.app, run_id, base, number + 1, body.get("slice_seconds", SLICE_SECONDS))
+        return "continued"
+    return status
+
+
+def send_drive(app: Celery, run_id: int, controller: str, number: int = 0, slice_seconds: float = SLICE_SECONDS) -> None:
+    app.send_task(
+        TASK_DRIVE_RUN,
+        args=[{"run_id": run_id, "controller": controller, "slice": number, "slice_seconds": slice_seconds}],
+        queue=CONTROL,
+        routing_key=CONTROL,
+        serializer="json",
+    )
+

@@ -1,0 +1,269 @@
+"""What a generation worker does with one attempt: lease, generate, score, report.
+
+No Celery here: the `refill.generate` task hands the decoded message to
+`GenerationService.run`, and the result goes back through the `send_result` callable.
+
+A worker process has one engine (built from the run's config the first time the run is
+seen), fronted by a `BatchingEngine` so that the many task threads of a `threads` pool feed it
+batches. A `LeaseKeeper` thread extends the leases of every attempt in flight in one
+statement per heartbeat.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import select, update
+
+from refill.models.context import utcnow
+from refill.models.db import Ledger
+from refill.models.leases import Lease, start_attempt
+from refill.models.payload import GenerateMessage, ResultMessage
+from refill.models.tables import Attempt, AttemptState, Run
+from refill.models.training import newest_weights
+from refill.rewards.loader import load_reward_fn
+from refill.rewards.scoring import RewardError, score_group
+from refill.tasks.backends.base import GenerationOutput, GenerationRequest, make_engine
+from refill.tasks.backends.batching import BatchingEngine
+
+log = logging.getLogger(__name__)
+
+
+def estimated_result_bytes(output: GenerationOutput) -> int:
+    """A cheap upper estimate of the JSON size of a result (no serialisation on the hot path)."""
+    size = 256 + 8 * len(output.prompt_token_ids)
+    for completion in output.completions:
+        size += 128 + 8 * len(completion.token_ids) + 24 * len(completion.logprobs) + 2 * len(completion.text)
+    return size
+
+
+@dataclass
+class _RunEngine:
+    run_id: int
+    config: dict[str, Any]
+    engine: BatchingEngine
+    reward_fn: Callable[..., float]
+    heartbeat_seconds: float
+    max_result_bytes: int
+
+
+class GenerationService:
+    def __init__(
+        self,
+        ledger: Ledger,
+        *,
+        send_result: Callable[[dict[str, Any]], None],
+        worker: str,
+        engine_factory: Callable[..., Any] = make_engine,
+    ) -> None:
+        self.ledger = ledger
+        self.send_result = send_result
+        self.worker = worker
+        self.engine_factory = engine_factory
+        self.leases = LeaseKeeper(ledger, worker)
+        self._lock = threading.Lock()
+        self._current: _RunEngine | None = None
+
+    # --- one attempt -------------------------------------------------------------------
+
+    def run(self, message: GenerateMessage) -> str:
+        run_engine = self._engine_for(message.run_id)
+        lease = self.ledger.transaction(
+            lambda s: start_attempt(
+                s, message.attempt_id, self.worker, utcnow(), run_engine.engine.weight_version
+            ),
+            what="lease handshake",
+        )
+        if lease is None:
+            # A repeat of a message whose attempt another worker holds or that is settled.
+            log.info("attempt %s is not ours to run; skipped", message.attempt_id)
+            return "skipped"
+        self.leases.hold(lease, run_engine.heartbeat_seconds)
+        try:
+            result = self._generate(run_engine, message, lease)
+        finally:
+            # Stop beating before the result can be committed; the last beat's lease covers
+            # the trip to the consumer.
+            self.leases.release(message.attempt_id)
+        self.send_result(result.to_json())
+        return result.error_kind or "generated"
+
+    def _generate(self, run_engine: _RunEngine, message: GenerateMessage, lease: Lease) -> ResultMessage:
+        request = GenerationRequest.from_message(message)
+        # The ledger may have raised the floor since the message was sent (the attempt was
+        # handed to a later step); the lease carries the current one.
+        request.min_weight_version = max(request.min_weight_version, lease.min_weight_version)
+        started = time.perf_counter()
+
+        def failure(kind: str, error: str, version: int | None = None) -> ResultMessage:
+            return ResultMessage(
+                run_id=message.run_id,
+                attempt_id=message.attempt_id,
+                worker=self.worker,
+                weight_version=version,
+                error_kind=kind,
+                error=error,
+                generation_seconds=time.perf_counter() - started,
+            )
+
+        try:
+            output = run_engine.engine.submit(request)
+        except Exception as error:  # noqa: BLE001 - any engine failure is this attempt's infra failure
+            log.warning("attempt %s: engine failed: %r", message.attempt_id, error)
+            return failure("infra", f"{type(error).__name__}: {error}")
+        size = estimated_result_bytes(output)
+        if size > run_engine.max_result_bytes:
+            return failure(
+                "data",
+                f"result of about {size} bytes exceeds infra.max_result_bytes="
+                f"{run_engine.max_result_bytes}; lower generation.max_new_tokens or raise the limit",
+                output.weight_version,
+            )
+        try:
+            rewards = score_group(run_engine.reward_fn, [c.text for c in output.completions], message.row)
+        except RewardError as error:
+            return failure("data", str(error), output.weight_version)
+        return ResultMessage(
+            run_id=message.run_id,
+            attempt_id=message.attempt_id,
+            worker=self.worker,
+            weight_version=output.weight_version,
+            prompt_token_ids=output.prompt_token_ids,
+            completions=output.completions,
+            rewards=rewards,
+            generation_seconds=(
+                output.generation_seconds
+                if output.generation_seconds is not None
+                else time.perf_counter() - started
+            ),
+        )
+
+    # --- the engine of a run -------------------------------------------------------------
+
+    def _engine_for(self, run_id: int) -> _RunEngine:
+        with self._lock:
+            current = self._current
+            if current is not None and current.run_id == run_id:
+                return current
+            config = self.ledger.transaction(lambda s: _run_config(s, run_id), what="read run config")
+            if current is not None:
+                # One engine per process: a worker moved to another run frees the GPU first.
+                log.info("switching engine from run %s to run %s", current.run_id, run_id)
+                current.engine.close()
+            engine = self.engine_factory(config)
+            batching = BatchingEngine.from_config(
+                engine, config, weights_provider=lambda needed: self._newest_weights(run_id)
+            )
+            generation = config.get("generation") or {}
+            reward = config.get("reward") or {}
+            self._current = _RunEngine(
+                run_id=run_id,
+                config=config,
+                engine=batching,
+                reward_fn=load_reward_fn(
+                    reward.get("function") or "refill.rewards.arith:exact_match", reward.get("kwargs")
+                ),
+                heartbeat_seconds=float(generation.get("heartbeat_seconds") or 10.0),
+                max_result_bytes=int((config.get("infra") or {}).get("max_result_bytes") or 64 * 2**20),
+            )
+            return self._current
+
+    def _newest_weights(self, run_id: int) -> tuple[int, str | None] | None:
+        return self.ledger.transaction(lambda s: newest_weights(s, run_id), what="read weights")
+
+    def close(self) -> None:
+        self.leases.close()
+        with self._lock:
+            if self._current is not None:
+                self._current.engine.close()
+                self._current = None
+
+
+def _run_config(session, run_id: int) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    config = session.scalar(select(Run.config).where(Run.id == run_id))
+    if config is None:
+        raise LookupError(f"there is no run {run_id} in the ledger")
+    return dict(config)
+
+
+class LeaseKeeper:
+    """Extends the leases of the attempts this process is generating, one UPDATE per beat."""
+
+    def __init__(self, ledger: Ledger, worker: str) -> None:
+        self.ledger = ledger
+        self.worker = worker
+        self._held: dict[int, float] = {}
+        self._interval = 10.0
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
+        self._thread.start()
+
+    def hold(self, lease: Lease, heartbeat_seconds: float) -> None:
+        with self._cond:
+            self._held[lease.attempt_id] = lease.lease_seconds
+            # Never let a lease run out between two beats.
+            self._interval = min(heartbeat_seconds, lease.lease_seconds / 3)
+            self._cond.notify()
+
+    def release(self, attempt_id: int) -> None:
+        with self._cond:
+            self._held.pop(attempt_id, None)
+
+    def beat(self) -> int:
+        with self._cond:
+            held = dict(self._held)
+        if not held:
+            return 0
+        now = utcnow()
+
+        def extend(session) -> int:  # type: ignore[no-untyped-def]
+            from datetime import timedelta
+
+            extended = 0
+            for seconds in set(held.values()):
+                ids = [a for a, s in held.items() if s == seconds]
+                extended += session.execute(
+                    update(Attempt)
+                    .where(
+                        Attempt.id.in_(ids),
+                        Attempt.state == AttemptState.RUNNING.value,
+                        Attempt.worker == self.worker[:200],
+                    )
+                    .values(leased_until=now + timedelta(seconds=seconds))
+                    .execution_options(synchronize_session=False)
+                ).rowcount
+            return extended
+
+        extended = self.ledger.transaction(extend, what="lease heartbeat")
+        if extended < len(held):
+            log.warning(
+                "%d of %d leases were no longer ours (expired and re-dispatched); those results will be refused as late",
+                len(held) - extended,
+                len(held),
+            )
+        return extended
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if self._closed:
+                    return
+                self._cond.wait(self._interval)
+                if self._closed:
+                    return
+            try:
+                self.beat()
+            except Exception as error:  # noqa: BLE001 - a missed beat is retried at the next one
+                log.warning("lease heartbeat failed: %r", error)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(5)

@@ -1,0 +1,153 @@
+"""What the trainer worker does with one `train_step(run, step)` message.
+
+Claim the step in the ledger (exactly one trainer gets it), bring the model to weight version
+`step` (restoring a checkpoint after a crash or a lost step), train on the released batch,
+publish version `step + 1`, and record it in the ledger in one transaction. A lease on the
+step, kept alive while training, lets the reaper hand the step to another trainer if this
+one dies; a trainer that lost its lease discards its update.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from refill.models.config import RunConfig
+from refill.models.context import utcnow
+from refill.models.db import Ledger
+from refill.models.payload import TrainGroup
+from refill.models.training import (
+    TrainBatch,
+    claim_training,
+    extend_training_lease,
+    finish_training,
+    newest_weights,
+)
+
+log = logging.getLogger(__name__)
+
+
+class Trainer(Protocol):
+    version: int | None
+
+    def restore(self, version: int) -> None: ...
+    def train_step(self, step: int, groups: list[TrainGroup]) -> dict[str, float]: ...
+    def publish(self, version: int) -> str | None: ...
+    def checkpoint(self, version: int) -> Any: ...
+
+
+def make_trainer(config: RunConfig, run_dir: str) -> Trainer:
+    if config.infra.trainer == "null":
+        from refill.trainer.null import NullTrainer
+
+        return NullTrainer.from_config(config)
+    from refill.trainer.grpo import GRPOTrainer
+
+    return GRPOTrainer(config, run_dir)
+
+
+class TrainerService:
+    def __init__(
+        self,
+        ledger: Ledger,
+        *,
+        trainer_id: str,
+        after_commit: Callable[[list[int]], int] | None = None,
+        trainer_factory: Callable[[RunConfig, str], Trainer] = make_trainer,
+    ) -> None:
+        self.ledger = ledger
+        self.trainer_id = trainer_id
+        self.after_commit = after_commit
+        self.trainer_factory = trainer_factory
+        self._trainers: dict[int, Trainer] = {}
+        self._lock = threading.Lock()
+
+    def train(self, run_id: int, step: int) -> str:
+        with self._lock:  # one step at a time per process: the model is shared state
+            batch = self.ledger.transaction(
+                lambda s: claim_training(s, run_id, step, self.trainer_id, utcnow()), what="claim step"
+            )
+            if batch is None:
+                return "skipped"
+            return self._train(batch)
+
+    def _train(self, batch: TrainBatch) -> str:
+        config = RunConfig.model_validate(batch.config)
+        trainer = self._trainers.get(batch.run_id)
+        if trainer is None:
+            trainer = self._trainers[batch.run_id] = self.trainer_factory(config, batch.run_dir)
+        if trainer.version != batch.weight_version:
+            # A fresh process, or a step this process lost: continue from the checkpoint of
+            # exactly the version this step trains from.
+            log.info("restoring trainer of run %s to version %s", batch.run_id, batch.weight_version)
+            trainer.restore(batch.weight_version)
+        keeper = _TrainingLease(self.ledger, batch, self.trainer_id, config.infra.trainer_lease_seconds)
+        started = time.perf_counter()
+        try:
+            if batch.groups:
+                metrics = trainer.train_step(batch.step, batch.groups)
+                path = trainer.publish(batch.step + 1)
+                trainer.checkpoint(batch.step + 1)
+            else:
+                # Every slot of the step shrank at the end of the data: no optimizer step, but
+                # the version still advances so that step s always trains from version s.
+                metrics = {"empty_step": 1.0}
+                previous = self.ledger.transaction(lambda s: newest_weights(s, batch.run_id))
+                path = previous[1] if previous else None
+                trainer.version = batch.step + 1
+        except BaseException:
+            trainer.version = None  # state may be half-updated: restore before the next step
+            raise
+        finally:
+            keeper.stop()
+        metrics = dict(metrics)
+        metrics["train_seconds"] = time.perf_counter() - started
+        outbox = self.ledger.transaction(
+            lambda s: finish_training(s, batch.run_id, batch.step, self.trainer_id, path, metrics, utcnow()),
+            what="finish step",
+        )
+        if outbox is None:
+            log.warning(
+                "step %s of run %s was taken over by another trainer; discarding this update",
+                batch.step,
+                batch.run_id,
+            )
+            trainer.version = None
+            return "lost"
+        if outbox and self.after_commit is not None:
+            try:
+                self.after_commit(outbox)
+            except Exception as error:  # noqa: BLE001 - the controller's relay sends it later
+                log.warning("immediate relay of the next step failed: %r", error)
+        return "trained"
+
+    def close(self) -> None:
+        self._trainers.clear()
+
+
+class _TrainingLease:
+    """Keeps the step's trainer lease alive while the optimizer works."""
+
+    def __init__(self, ledger: Ledger, batch: TrainBatch, trainer_id: str, lease_seconds: float) -> None:
+        self._stop = threading.Event()
+
+        def beat() -> None:
+            while not self._stop.wait(max(1.0, lease_seconds / 4)):
+                try:
+                    ledger.transaction(
+                        lambda s: extend_training_lease(
+                            s, batch.run_id, batch.step, trainer_id, lease_seconds, utcnow()
+                        )
+                    )
+                except Exception as error:  # noqa: BLE001 - retried at the next beat
+                    log.warning("training lease heartbeat failed: %r", error)
+
+        self._thread = threading.Thread(target=beat, name="training-lease", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
