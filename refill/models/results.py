@@ -277,7 +277,21 @@ def _commit(ctx: RunContext, attempt: Attempt, result: ResultMessage) -> None:
         )
         return
     ctx.session.flush()
-    place(ctx, group, own)
+    if place(ctx, group, own) is None and own is not None:
+        # The sampler parked the group rather than train it in its own slot (windowed: too
+        # stale for the window). The slot must not be left without a live attempt: generate
+        # its prompt again, with weights newer than the declined group's (at most the step's
+        # own version, which the trainer reaches without this slot).
+        retry = dispatch(
+            ctx,
+            step=own.step,
+            slot=own,
+            prompt_id=attempt.prompt_id,
+            reason=AttemptReason.RETRY,
+            try_no=attempt.try_no,
+            origin=(attempt.origin_step, attempt.origin_slot),
+        )
+        retry.min_weight_version = max(retry.min_weight_version, min(version + 1, own.step))
 
 
 def _completion_json(completion: Completion) -> dict:
