@@ -202,6 +202,8 @@ def _apply(ctx: RunContext, attempt: Attempt, result: ResultMessage) -> Recorded
         _filter(ctx, attempt)
         return Recorded(attempt.id, Outcome.FILTERED)
     _commit(ctx, attempt, result)
+    if attempt.state == AttemptState.FAILED.value:  # too stale to train: regenerated
+        return Recorded(attempt.id, Outcome.FAILED, attempt.error)
     return Recorded(attempt.id, Outcome.COMMITTED)
 
 
@@ -233,8 +235,31 @@ def _filter(ctx: RunContext, attempt: Attempt) -> None:
 
 def _commit(ctx: RunContext, attempt: Attempt, result: ResultMessage) -> None:
     settings = ctx.settings
-    attempt.state = AttemptState.COMMITTED.value
     version = int(result.weight_version or 0)
+    own = aimed_slot(ctx, attempt)
+    if own is not None and decisions.staleness(own.step, version) > settings.max_lookahead_versions:
+        # The re-aim rule keeps this from happening; if it does, training the group would
+        # break the staleness bound, so it is discarded and the prompt generated again.
+        log.warning(
+            "attempt %s generated with weights v%s, too stale for step %s; regenerating",
+            attempt.id,
+            version,
+            own.step,
+        )
+        attempt.state = AttemptState.FAILED.value
+        attempt.failure_kind = FailureKind.STALE.value
+        attempt.error = f"weights v{version} too stale for step {own.step}"
+        dispatch(
+            ctx,
+            step=own.step,
+            slot=own,
+            prompt_id=attempt.prompt_id,
+            reason=AttemptReason.RETRY,
+            try_no=attempt.try_no,
+            origin=(attempt.origin_step, attempt.origin_slot),
+        )
+        return
+    attempt.state = AttemptState.COMMITTED.value
     group = Group(
         attempt_id=attempt.id,
         run_id=ctx.run.id,
@@ -252,30 +277,6 @@ def _commit(ctx: RunContext, attempt: Attempt, result: ResultMessage) -> None:
         moves=0,
     )
     ctx.session.add(group)
-    own = aimed_slot(ctx, attempt)
-    if own is not None and decisions.staleness(own.step, version) > settings.max_lookahead_versions:
-        # The re-aim rule keeps this from happening; if it does, training the group would
-        # break the staleness bound, so it is discarded and the prompt generated again.
-        log.warning(
-            "attempt %s generated with weights v%s, too stale for step %s; regenerating",
-            attempt.id,
-            version,
-            own.step,
-        )
-        ctx.session.expunge(group)
-        attempt.state = AttemptState.FAILED.value
-        attempt.failure_kind = FailureKind.STALE.value
-        attempt.error = f"weights v{version} too stale for step {own.step}"
-        dispatch(
-            ctx,
-            step=own.step,
-            slot=own,
-            prompt_id=attempt.prompt_id,
-            reason=AttemptReason.RETRY,
-            try_no=attempt.try_no,
-            origin=(attempt.origin_step, attempt.origin_slot),
-        )
-        return
     ctx.session.flush()
     if place(ctx, group, own) is None and own is not None:
         # The sampler parked the group rather than train it in its own slot (windowed: too
