@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 
 from refill.models.context import RunContext, utcnow
 from refill.models.settings import LedgerSettings
-from refill.models.slots import LIVE, cancel_live_attempts, dispatch
+from refill.models.slots import LIVE, cancel_live_attempts, dispatch, queue_training
 from refill.models.tables import (
     Attempt,
     AttemptReason,
@@ -160,6 +160,12 @@ def start_run(
     run.started_at = run.started_at or ctx.now
     if resumed:
         repair_open_slots(ctx)
+        head = session.get(Step, (run_id, run.weight_version))
+        if head is not None and head.status == StepStatus.RELEASED.value:
+            # Its train_step message may have been drained by the relay or refused by a
+            # trainer while the run was not running; nothing else sends it again. A repeat
+            # is harmless: a claim of a claimed or trained step is a no-op.
+            queue_training(ctx, head.step)
     session.flush()
     return run
 
