@@ -41,6 +41,18 @@ config_app = typer.Typer(help="Validate and show run configurations.", no_args_i
 app.add_typer(config_app, name="config")
 
 
+def _register() -> None:
+    # Each area lives in its own module; they import their heavy dependencies lazily.
+    from refill.admin.db_commands import db_app
+    from refill.admin.run_commands import demo, run_app
+    from refill.admin.worker_commands import worker
+
+    app.add_typer(run_app, name="run")
+    app.add_typer(db_app, name="db")
+    app.command("worker")(worker)
+    app.command("demo")(demo)
+
+
 @config_app.command("check")
 def config_check(
     file: Annotated[Path, typer.Argument(help="A run config (YAML).", show_default=False)],
@@ -94,6 +106,9 @@ def config_check(
     skipped = " (run-time checks skipped)" if no_runtime else ""
     note(f"{file}: OK{skipped}; ledger {redact_url(db_url)}, broker {redact_url(broker_url)}, "
          f"config hash {config.config_hash()[:12]}")
+
+
+_register()
 
 
 def main() -> None:

@@ -222,32 +222,38 @@ class LeaseKeeper:
             return 0
         now = utcnow()
 
-        def extend(session) -> int:  # type: ignore[no-untyped-def]
+        def extend(session) -> set[int]:  # type: ignore[no-untyped-def]
             from datetime import timedelta
 
-            extended = 0
+            extended: set[int] = set()
             for seconds in set(held.values()):
                 ids = [a for a, s in held.items() if s == seconds]
-                extended += session.execute(
-                    update(Attempt)
-                    .where(
-                        Attempt.id.in_(ids),
-                        Attempt.state == AttemptState.RUNNING.value,
-                        Attempt.worker == self.worker[:200],
+                extended.update(
+                    session.scalars(
+                        update(Attempt)
+                        .where(
+                            Attempt.id.in_(ids),
+                            Attempt.state == AttemptState.RUNNING.value,
+                            Attempt.worker == self.worker[:200],
+                        )
+                        .values(leased_until=now + timedelta(seconds=seconds))
+                        .returning(Attempt.id)
+                        .execution_options(synchronize_session=False)
                     )
-                    .values(leased_until=now + timedelta(seconds=seconds))
-                    .execution_options(synchronize_session=False)
-                ).rowcount
+                )
             return extended
 
         extended = self.ledger.transaction(extend, what="lease heartbeat")
-        if extended < len(held):
+        with self._cond:
+            # An attempt released while the beat ran finished normally; only those still
+            # held and not extended were taken from us.
+            lost = [a for a in held if a not in extended and a in self._held]
+        if lost:
             log.warning(
-                "%d of %d leases were no longer ours (expired and re-dispatched); those results will be refused as late",
-                len(held) - extended,
-                len(held),
+                "leases of attempts %s expired and were re-dispatched; their results will be refused as late",
+                lost,
             )
-        return extended
+        return len(extended)
 
     def _run(self) -> None:
         while True:
