@@ -35,13 +35,13 @@ def broker_url_from_env() -> str:
     return os.environ.get("REFILL_BROKER_URL") or EMBEDDED_BROKER
 
 
-def celery_settings(broker_url: str) -> dict[str, Any]:
+def celery_settings(broker_url: str, key_prefix: str | None = None) -> dict[str, Any]:
     transport_options: dict[str, Any] = {
         "visibility_timeout": int(
             os.environ.get("REFILL_VISIBILITY_TIMEOUT", DEFAULT_VISIBILITY_TIMEOUT)
         )
     }
-    prefix = os.environ.get("REFILL_BROKER_PREFIX")
+    prefix = key_prefix or os.environ.get("REFILL_BROKER_PREFIX")
     if prefix:
         # Several fleets (or test sessions) can share one Redis without seeing each other.
         transport_options["global_keyprefix"] = prefix
@@ -76,10 +76,10 @@ def celery_settings(broker_url: str) -> dict[str, Any]:
     }
 
 
-def make_app(broker_url: str | None = None, name: str = "refill") -> Celery:
+def make_app(broker_url: str | None = None, name: str = "refill", key_prefix: str | None = None) -> Celery:
     """A configured app with every refill task registered."""
     app = Celery(name, set_as_current=False)
-    app.conf.update(celery_settings(broker_url or broker_url_from_env()))
+    app.conf.update(celery_settings(broker_url or broker_url_from_env(), key_prefix))
     from refill.tasks import definitions
 
     definitions.register(app)
