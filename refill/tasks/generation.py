@@ -72,17 +72,18 @@ class GenerationService:
     # --- one attempt -------------------------------------------------------------------
 
     def run(self, message: GenerateMessage) -> str:
-        run_engine = self._engine_for(message.run_id)
+        current = self._current
+        engine_version = current.engine.weight_version if current and current.run_id == message.run_id else None
         lease = self.ledger.transaction(
-            lambda s: start_attempt(
-                s, message.attempt_id, self.worker, utcnow(), run_engine.engine.weight_version
-            ),
+            lambda s: start_attempt(s, message.attempt_id, self.worker, utcnow(), engine_version),
             what="lease handshake",
         )
         if lease is None:
-            # A repeat of a message whose attempt another worker holds or that is settled.
+            # A repeat of a message whose attempt another worker holds or that is settled, or
+            # one for an attempt this ledger never dispatched.
             log.info("attempt %s is not ours to run; skipped", message.attempt_id)
             return "skipped"
+        run_engine = self._engine_for(message.run_id)
         self.leases.hold(lease, run_engine.heartbeat_seconds)
         try:
             result = self._generate(run_engine, message, lease)

@@ -83,6 +83,9 @@ class Fleet:
             REFILL_BROKER_URL=REDIS_URL,
             REFILL_BROKER_PREFIX=self.prefix,
             PYTHONUNBUFFERED="1",
+            # Custom samplers and reward functions must be importable on the fleet; the tests'
+            # own live under tests/.
+            PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
             TOKENIZERS_PARALLELISM="false",
         )
         self.workers: dict[str, subprocess.Popen[bytes]] = {}
