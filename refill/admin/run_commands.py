@@ -68,6 +68,10 @@ def resume(
     database_url: DatabaseUrl = None,
     detach: Detach = False,
     quiet: Quiet = False,
+    force: Annotated[
+        bool,
+        typer.Option("--force", help="Take over even if its controller was seen in the last 30 s (only when you know it is dead)."),
+    ] = False,
 ) -> None:
     """Continue a run whose controller stopped (crashed, interrupted, or `refill run stop`)."""
     from refill.admin.ledger_access import open_ledger
@@ -82,7 +86,7 @@ def resume(
     broker = os.environ.get("REFILL_BROKER_URL") or (config.get("infra") or {}).get("broker_url")
     if broker and "***" in broker:
         fail("the run's broker URL has a password: set REFILL_BROKER_URL to resume it", EXIT_BAD_INPUT)
-    _drive(ledger, run_id, broker_url=broker, config=config, detach=detach, quiet=quiet)
+    _drive(ledger, run_id, broker_url=broker, config=config, detach=detach, quiet=quiet, takeover_after=0.0 if force else 30.0)
 
 
 @run_app.command("stop")
@@ -154,7 +158,16 @@ def drive_new_run(config: Any, *, detach: bool, quiet: bool) -> None:
     _drive(ledger, None, broker_url=None if embedded else broker_url, config=config, detach=detach, quiet=quiet)
 
 
-def _drive(ledger: Any, run_id: int | None, *, broker_url: str | None, config: Any, detach: bool, quiet: bool) -> None:
+def _drive(
+    ledger: Any,
+    run_id: int | None,
+    *,
+    broker_url: str | None,
+    config: Any,
+    detach: bool,
+    quiet: bool,
+    takeover_after: float = 30.0,
+) -> None:
     """Drive a run (creating it first when run_id is None) with the right fleet around it."""
     from refill.tasks.app import make_app
     from refill.tasks.controller import Controller, new_controller_id, send_drive
@@ -192,7 +205,7 @@ def _drive(ledger: Any, run_id: int | None, *, broker_url: str | None, config: A
         from refill.models.runs import RunStateError
 
         try:
-            controller.start()
+            controller.start(takeover_after_seconds=takeover_after)
         except RunStateError as error:
             fail(str(error), EXIT_INVALID)
         status = _follow(controller, quiet=quiet)

@@ -50,8 +50,10 @@ def redact(url: str) -> str:
         return "<unparseable URL>"
 
 
-def make_engine(url: str, *, echo: bool = False) -> Engine:
-    """An Engine for the ledger at `url` (a SQLAlchemy URL)."""
+def make_engine(url: str, *, echo: bool = False, application_name: str | None = None) -> Engine:
+    """An Engine for the ledger at `url` (a SQLAlchemy URL). On PostgreSQL, `application_name`
+    names this process's connections in pg_stat_activity (an operator sees which role holds
+    what; the fault tests terminate one role's connections)."""
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
         in_memory = parsed.database in (None, "", ":memory:")
@@ -67,8 +69,15 @@ def make_engine(url: str, *, echo: bool = False) -> Engine:
     if parsed.get_backend_name() == "postgresql" and parsed.drivername == "postgresql":
         # Plain postgresql:// would pick psycopg2, which refill does not depend on.
         parsed = parsed.set(drivername="postgresql+psycopg")
+    connect_args = {"application_name": application_name[:63]} if application_name else {}
     return create_engine(
-        parsed, echo=echo, pool_pre_ping=True, pool_size=10, max_overflow=20, pool_recycle=1800
+        parsed,
+        echo=echo,
+        pool_pre_ping=True,
+        pool_size=10,
+        max_overflow=20,
+        pool_recycle=1800,
+        connect_args=connect_args,
     )
 
 
@@ -114,9 +123,9 @@ class Ledger:
     fn does is therefore either applied once or not at all.
     """
 
-    def __init__(self, url: str, *, engine: Engine | None = None) -> None:
+    def __init__(self, url: str, *, engine: Engine | None = None, application_name: str | None = None) -> None:
         self.url = url
-        self.engine = engine or make_engine(url)
+        self.engine = engine or make_engine(url, application_name=application_name)
         self.dialect = self.engine.dialect.name
         self.sessions = sessionmaker(self.engine, expire_on_commit=False)
 

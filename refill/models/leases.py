@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 from refill.models.context import RunContext, utcnow
 from refill.models.settings import settings_for
 from refill.models.slots import RunFailed, infra_failure, queue_training
-from refill.models.tables import Attempt, AttemptState, Run, RunStatus, Step, StepStatus
+from refill.models.tables import Attempt, AttemptState, Outbox, OutboxKind, Run, RunStatus, Step, StepStatus
 
 
 @dataclass(frozen=True)
@@ -106,6 +106,10 @@ def expire_leases(session: Session, run_id: int, now: datetime | None = None) ->
     reaped = Reaped(outbox_ids=[])
     if not ctx.running:
         return reaped
+    # Lock the expired rows as they are read: a heartbeat (extend_lease) or a worker taking
+    # the lease (start_attempt) does not take the run lock, and without the row lock it could
+    # commit between this read and the write below, and be told it holds an attempt that is
+    # then failed anyway. With it, whichever goes first wins and the other sees its result.
     expired = list(
         session.scalars(
             select(Attempt)
@@ -115,6 +119,7 @@ def expire_leases(session: Session, run_id: int, now: datetime | None = None) ->
                 Attempt.leased_until < ctx.now,
             )
             .order_by(Attempt.id)
+            .with_for_update()
         )
     )
     try:
@@ -148,6 +153,29 @@ def expire_leases(session: Session, run_id: int, now: datetime | None = None) ->
         if ctx.run.weight_version == step.step and ctx.running:
             queue_training(ctx, step.step)
         reaped.train_steps += 1
+    reaped.train_steps += _requeue_lost_training(ctx)
     session.flush()
     reaped.outbox_ids = ctx.outbox_ids
     return reaped
+
+
+def _requeue_lost_training(ctx: RunContext) -> int:
+    """A released step that is next to train but whose train_step message went out long ago
+    and was never claimed lost that message (a flushed or restarted broker): send another."""
+    step_no = ctx.run.weight_version
+    step = ctx.session.get(Step, (ctx.run.id, step_no))
+    if step is None or step.status != StepStatus.RELEASED.value:
+        return 0
+    last = ctx.session.execute(
+        select(Outbox.sent_at, Outbox.created_at)
+        .where(Outbox.run_id == ctx.run.id, Outbox.kind == OutboxKind.TRAIN_STEP.value, Outbox.step == step_no)
+        .order_by(Outbox.id.desc())
+        .limit(1)
+    ).first()
+    if last is not None and last[0] is None:
+        return 0  # one is waiting in the outbox already
+    since = last[0] if last is not None else step.released_at
+    if since is not None and (ctx.now - since).total_seconds() < ctx.settings.queue_timeout_seconds:
+        return 0
+    queue_training(ctx, step_no)
+    return 1

@@ -32,8 +32,8 @@ def default_worker_name() -> str:
 class Runtime:
     def __init__(self, app: Celery, database_url: str, worker_name: str | None = None) -> None:
         self.app = app
-        self.ledger = Ledger(database_url)
         self.worker_name = worker_name or default_worker_name()
+        self.ledger = Ledger(database_url, application_name=f"refill:{self.worker_name}")
         self._lock = threading.Lock()
         self._generation: GenerationService | None = None
         self._consumer: ResultConsumer | None = None
