@@ -74,8 +74,10 @@ def make_engine(url: str, *, echo: bool = False, application_name: str | None = 
         parsed,
         echo=echo,
         pool_pre_ping=True,
-        pool_size=10,
-        max_overflow=20,
+        # Each fleet process needs few connections (the consumer commits in groups); a fleet
+        # of dozens of processes must fit PostgreSQL's max_connections.
+        pool_size=5,
+        max_overflow=10,
         pool_recycle=1800,
         connect_args=connect_args,
     )
