@@ -1,0 +1,85 @@
+"""Fixtures of the integration suite.
+
+- Every integration test ends with the ledger's invariants checked on each run it drove
+  (`tests/support/invariants.py`).
+- The ledgers are the ones of `tests/conftest.py` (`ledger` runs a test on PostgreSQL and on
+  SQLite), but kept for the whole session and emptied between tests: a new engine per test
+  starts with a cold compiled-statement cache, and TRUNCATE of eleven tables costs PostgreSQL
+  more than the test itself. Emptying deletes every row with foreign keys unenforced for the
+  duration (the tables hold a slot <-> attempt cycle).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from sqlalchemy import text
+
+from refill.models.db import Ledger
+from refill.models.tables import Base
+from tests.support import driver
+from tests.support.invariants import assert_ledger_consistent
+
+TABLES = [t.name for t in reversed(Base.metadata.sorted_tables)]
+
+
+def _empty_pg(ledger: Ledger) -> None:
+    with ledger.engine.begin() as conn:
+        conn.execute(text("SET LOCAL session_replication_role = replica"))
+        for name in TABLES:
+            conn.execute(text(f"DELETE FROM {name}"))
+
+
+def _empty_sqlite(ledger: Ledger) -> None:
+    raw = ledger.engine.raw_connection()
+    try:
+        cursor = raw.cursor()
+        cursor.execute("PRAGMA foreign_keys=OFF")  # only outside a transaction
+        cursor.execute("BEGIN IMMEDIATE")
+        for name in TABLES:
+            cursor.execute(f"DELETE FROM {name}")
+        cursor.execute("COMMIT")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.close()
+    finally:
+        raw.close()
+
+
+@pytest.fixture(scope="session")
+def _shared_pg_ledger(pg_url: str) -> Iterator[Ledger]:
+    ledger = Ledger(pg_url)
+    yield ledger
+    ledger.dispose()
+
+
+@pytest.fixture(scope="session")
+def _shared_sqlite_ledger(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ledger]:
+    path = tmp_path_factory.mktemp("ledger") / "ledger.db"
+    ledger = Ledger(f"sqlite:///{path}")
+    Base.metadata.create_all(ledger.engine)
+    yield ledger
+    ledger.dispose()
+
+
+@pytest.fixture
+def pg_ledger(_shared_pg_ledger: Ledger) -> Ledger:
+    _empty_pg(_shared_pg_ledger)
+    return _shared_pg_ledger
+
+
+@pytest.fixture
+def sqlite_ledger(_shared_sqlite_ledger: Ledger) -> Ledger:
+    _empty_sqlite(_shared_sqlite_ledger)
+    return _shared_sqlite_ledger
+
+
+@pytest.fixture(autouse=True)
+def ledger_stays_consistent() -> Iterator[None]:
+    driver.DRIVERS.clear()
+    yield
+    drivers, driver.DRIVERS[:] = list(driver.DRIVERS), []
+    for d in drivers:
+        if d.check:
+            with d.ledger.session() as session:
+                assert_ledger_consistent(session, d.run_id)
