@@ -138,13 +138,16 @@ def expire_leases(session: Session, run_id: int, now: datetime | None = None) ->
             reaped.attempts += 1
     except RunFailed as failure:
         reaped.failed = str(failure)
+    # Locked as read, for the reason above: extend_training_lease takes no run lock.
     stuck = list(
         session.scalars(
-            select(Step).where(
+            select(Step)
+            .where(
                 Step.run_id == run_id,
                 Step.status == StepStatus.TRAINING.value,
                 Step.trainer_lease_until < ctx.now,
             )
+            .with_for_update()
         )
     )
     for step in stuck:
