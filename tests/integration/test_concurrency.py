@@ -20,7 +20,7 @@ from refill.models.db import Ledger
 from refill.models.leases import expire_leases, extend_lease, start_attempt
 from refill.models.outbox import claim_outbox, mark_sent
 from refill.models.results import Outcome, record_results
-from refill.models.training import claim_training
+from refill.models.training import claim_training, extend_training_lease
 from tests.support.driver import SPREAD, Driver
 from tests.support.invariants import assert_ledger_consistent
 
@@ -66,50 +66,60 @@ def reaper(d: Driver) -> Callable[[], Any]:
     return lambda: d.ledger.transaction(lambda s: expire_leases(s, d.run_id, d.now))
 
 
+def many_steps(pg: Ledger, steps: int = ROUNDS) -> Driver:
+    """One run with `steps` steps admitted at once: each round of a race uses its own step."""
+    d = Driver(
+        pg,
+        {"grpo": {"max_num_steps": steps}, "async_rl": {"max_lookahead_versions": steps}},
+        num_prompts=4 * steps + 40,
+    )
+    assert d.admit() == list(range(steps))
+    return d
+
+
 @pytest.fixture
 def pg(pg_ledger: Ledger) -> Ledger:
     return pg_ledger
 
 
 def test_two_results_competing_for_one_slot_commit_it_once(pg: Ledger) -> None:
-    # (0, 0) waits on its replacement R; (1, 1)'s first attempt F would fill (0, 0) too.
-    # Either order is allowed: R in (0, 0) and F in (1, 1), or F pushed into (0, 0) and R
-    # re-aimed at (1, 1). Never both in one slot, never a slot committed twice.
-    def one_round() -> None:
-        d = Driver(pg, num_prompts=12)
-        d.admit()
-        d.filter_slot(0, 0)
-        r = d.live_of(0, 0)
-        f = d.live_of(1, 1)
-        d.start(r.id)
-        d.start(f.id)
+    # (s, 0) waits on its replacement R; (s + 1, 1)'s first attempt F would fill (s, 0) too.
+    # Either order is allowed: R in (s, 0) and F in (s + 1, 1), or F pushed into (s, 0) and R
+    # re-aimed at (s + 1, 1). Never both in one slot, never a slot committed twice.
+    d = many_steps(pg, 2 * ROUNDS)
+
+    def one_round(s: int) -> None:
+        d.filter_slot(s, 0)
+        r = d.live_of(s, 0)
+        f = d.live_of(s + 1, 1)
+        d.start_all([r.id, f.id])
         a, b = race(recorder(d, d.result(r.id, SPREAD)), recorder(d, d.result(f.id, SPREAD)))
         assert [o.outcome for o in a + b] == [Outcome.COMMITTED, Outcome.COMMITTED]
-        placed = {d.slot(0, 0).group_attempt_id, d.slot(1, 1).group_attempt_id}
-        assert placed == {r.id, f.id}
-        assert (d.step(0).committed, d.step(1).committed) == (1, 1)
+        assert {d.slot(s, 0).group_attempt_id, d.slot(s + 1, 1).group_attempt_id} == {r.id, f.id}
+        assert (d.step(s).committed, d.step(s + 1).committed) == (1, 1)
         consistent(d)
 
-    for _ in range(ROUNDS):
-        one_round()
+    for k in range(ROUNDS):
+        one_round(2 * k)
 
 
 def test_the_same_result_recorded_twice_at_once_has_one_effect(pg: Ledger) -> None:
-    def one_round() -> None:
-        d = Driver(pg, num_prompts=12)
-        d.admit()
-        attempt = d.live_of(0, 2)
+    d = many_steps(pg)
+
+    def one_round(s: int) -> None:
+        attempt = d.live_of(s, 2)
         d.start(attempt.id)
         message = d.result(attempt.id, SPREAD)
         a, b = race(recorder(d, message), recorder(d, message))
         assert sorted(o.outcome.value for o in a + b) == ["COMMITTED", "DUPLICATE"]
-        assert [g.attempt_id for g in d.groups()] == [attempt.id]
-        assert d.step(0).committed == 1
-        assert [(r.attempt_id, r.reason) for r in d.rejected()] == [(attempt.id, "duplicate")]
+        assert d.group(attempt.id) is not None and len(d.groups()) == s + 1
+        assert d.step(s).committed == 1
+        assert [(r.attempt_id, r.reason) for r in d.rejected()][-1] == (attempt.id, "duplicate")
+        assert len(d.rejected()) == s + 1
         consistent(d)
 
-    for _ in range(ROUNDS):
-        one_round()
+    for s in range(ROUNDS):
+        one_round(s)
 
 
 def test_eight_consumers_finishing_a_step_release_it_once(pg: Ledger) -> None:
@@ -132,11 +142,10 @@ def test_eight_consumers_finishing_a_step_release_it_once(pg: Ledger) -> None:
 
 
 def test_result_racing_the_reaper_after_its_lease_expired(pg: Ledger) -> None:
-    def one_round() -> None:
-        d = Driver(pg, num_prompts=12)
-        d.admit()
-        d.relay()
-        attempt = d.live_of(0, 0)
+    d = many_steps(pg)  # nothing relayed: only the attempt started below has a lease
+
+    def one_round(s: int) -> None:
+        attempt = d.live_of(s, 0)
         d.start(attempt.id)
         d.tick(61)
         reaped, outcomes = race(reaper(d), recorder(d, d.result(attempt.id, SPREAD)), jitter=0.005)
@@ -144,45 +153,44 @@ def test_result_racing_the_reaper_after_its_lease_expired(pg: Ledger) -> None:
             # the reaper went first: the slot was re-dispatched and the result is late
             assert outcomes[0].outcome is Outcome.LATE
             assert d.attempt(attempt.id).failure_kind == "infra"
-            assert d.live_of(0, 0).reason == "retry"
+            assert d.live_of(s, 0).reason == "retry"
         else:
             assert (reaped.attempts, outcomes[0].outcome) == (0, Outcome.COMMITTED)
-            assert d.slot(0, 0).group_attempt_id == attempt.id
+            assert d.slot(s, 0).group_attempt_id == attempt.id
         consistent(d)
 
-    for _ in range(ROUNDS):
-        one_round()
+    for s in range(ROUNDS):
+        one_round(s)
 
 
 def test_late_result_and_the_redispatched_one_at_once(pg: Ledger) -> None:
-    def one_round() -> None:
-        d = Driver(pg, num_prompts=12)
-        d.admit()
-        d.relay()
-        first = d.live_of(0, 0)
+    d = many_steps(pg)
+
+    def one_round(s: int) -> None:
+        first = d.live_of(s, 0)
         d.start(first.id, worker="w1")
         d.tick(61)
         assert d.reap().attempts == 1
-        retry = d.live_of(0, 0)
+        retry = d.live_of(s, 0)
         d.start(retry.id, worker="w2")
         late, fresh = race(
             recorder(d, d.result(first.id, SPREAD, worker="w1")),
             recorder(d, d.result(retry.id, SPREAD, worker="w2")),
         )
         assert (late[0].outcome, fresh[0].outcome) == (Outcome.LATE, Outcome.COMMITTED)
-        assert d.slot(0, 0).group_attempt_id == retry.id
-        assert [r.reason for r in d.rejected()] == ["late"]
+        assert d.slot(s, 0).group_attempt_id == retry.id
+        assert [(r.attempt_id, r.reason) for r in d.rejected()][-1] == (first.id, "late")
         consistent(d)
 
-    for _ in range(ROUNDS):
-        one_round()
+    for s in range(ROUNDS):
+        one_round(s)
 
 
 def test_heartbeat_racing_the_reaper_has_one_winner(pg: Ledger) -> None:
-    def one_round(jitter: float) -> None:
-        d = Driver(pg, num_prompts=12)
-        d.admit()
-        attempt = d.live_of(0, 1)
+    d = many_steps(pg)
+
+    def one_round(s: int, jitter: float) -> None:
+        attempt = d.live_of(s, 1)
         d.start(attempt.id)
         d.tick(61)
         heartbeat = lambda: d.ledger.transaction(lambda s: extend_lease(s, attempt.id, "w1", 60, d.now))  # noqa: E731
@@ -192,13 +200,14 @@ def test_heartbeat_racing_the_reaper_has_one_winner(pg: Ledger) -> None:
         if extended:
             assert state.state == "running"
             assert (state.leased_until - d.now).total_seconds() == 60
+            d.commit_slot(s, 1)  # done with it: it must not expire in a later round
         else:
             assert (state.state, state.failure_kind) == ("failed", "infra")
-            assert d.live_of(0, 1).reason == "retry"
+            assert d.live_of(s, 1).reason == "retry"
         consistent(d)
 
-    for i in range(ROUNDS):
-        one_round(0.002 * (i % 4))  # spread the heartbeat over the reaper's transaction
+    for s in range(ROUNDS):
+        one_round(s, 0.002 * (s % 4))  # spread the heartbeat over the reaper's transaction
 
 
 def test_heartbeat_between_the_reapers_read_and_write(pg: Ledger) -> None:
@@ -239,14 +248,13 @@ def test_heartbeat_between_the_reapers_read_and_write(pg: Ledger) -> None:
 
 
 def test_a_duplicated_generate_message_starts_one_lease(pg: Ledger) -> None:
-    def one_round() -> None:
-        d = Driver(pg, num_prompts=12)
-        d.admit()
-        d.relay()
-        attempt = d.live_of(0, 3)
+    d = many_steps(pg)
+
+    def one_round(s: int) -> None:
+        attempt = d.live_of(s, 3)
         leases = race(
-            lambda: d.ledger.transaction(lambda s: start_attempt(s, attempt.id, "w1", d.now, 0)),
-            lambda: d.ledger.transaction(lambda s: start_attempt(s, attempt.id, "w2", d.now, 0)),
+            lambda: d.ledger.transaction(lambda ses: start_attempt(ses, attempt.id, "w1", d.now, 0)),
+            lambda: d.ledger.transaction(lambda ses: start_attempt(ses, attempt.id, "w2", d.now, 0)),
         )
         won = [w for w, lease in zip(("w1", "w2"), leases, strict=True) if lease is not None]
         assert len(won) == 1
@@ -254,46 +262,177 @@ def test_a_duplicated_generate_message_starts_one_lease(pg: Ledger) -> None:
         assert (state.state, state.worker) == ("running", won[0])
         consistent(d)
 
-    for _ in range(ROUNDS):
-        one_round()
+    for s in range(ROUNDS):
+        one_round(s)
 
 
 def test_two_relays_claim_disjoint_messages(pg: Ledger) -> None:
-    def one_round() -> None:
-        d = Driver(pg, num_prompts=12)
-        d.admit()
+    d = many_steps(pg, 2 * ROUNDS)  # eight messages a round
 
-        def relay(name: str):  # type: ignore[no-untyped-def]
-            def go(session):  # type: ignore[no-untyped-def]
-                out = claim_outbox(session, claimer=name, now=d.now, limit=5, run_id=d.run_id)
-                mark_sent(session, out, d.now)
-                return [m.outbox_id for m in out]
+    def relay(name: str):  # type: ignore[no-untyped-def]
+        def go(session):  # type: ignore[no-untyped-def]
+            out = claim_outbox(session, claimer=name, now=d.now, limit=4, run_id=d.run_id)
+            mark_sent(session, out, d.now)
+            return [m.outbox_id for m in out]
 
-            return lambda: d.ledger.transaction(go)
+        return lambda: d.ledger.transaction(go)
 
+    def one_round(k: int) -> None:
         a, b = race(relay("r1"), relay("r2"))
         assert not set(a) & set(b)
-        assert len(a) + len(b) == 8
-        assert all(r.send_count == 1 for r in d.outbox())
+        assert len(a) == len(b) == 4
+        rows = d.outbox()
+        assert sum(r.sent_at is not None for r in rows) == 8 * (k + 1)
+        assert all(r.send_count == (1 if r.sent_at is not None else 0) for r in rows)
         consistent(d)
 
-    for _ in range(ROUNDS):
-        one_round()
+    for k in range(ROUNDS):
+        one_round(k)
 
 
 def test_two_trainers_claiming_one_step(pg: Ledger) -> None:
-    def one_round() -> None:
-        d = Driver(pg, num_prompts=12)
-        d.admit()
-        d.fill_step(0)
+    d = many_steps(pg)
+
+    def one_round(s: int) -> None:
+        d.fill_step(s)
         batches = race(
-            lambda: d.ledger.transaction(lambda s: claim_training(s, d.run_id, 0, "t1", d.now)),
-            lambda: d.ledger.transaction(lambda s: claim_training(s, d.run_id, 0, "t2", d.now)),
+            lambda: d.ledger.transaction(lambda ses: claim_training(ses, d.run_id, s, "t1", d.now)),
+            lambda: d.ledger.transaction(lambda ses: claim_training(ses, d.run_id, s, "t2", d.now)),
         )
-        assert sum(b is not None for b in batches) == 1
-        step = d.step(0)
-        assert (step.status, step.train_claims) == ("training", 1)
+        winners = [t for t, batch in zip(("t1", "t2"), batches, strict=True) if batch is not None]
+        assert len(winners) == 1
+        step = d.step(s)
+        assert (step.status, step.train_claims, step.trainer_id) == ("training", 1, winners[0])
+        assert d.finish_training(s, winners[0])
+        assert [v.version for v in d.weight_versions()] == list(range(s + 2))
         consistent(d)
 
-    for _ in range(ROUNDS):
+    for s in range(ROUNDS):
+        one_round(s)
+
+
+def test_trainer_heartbeat_between_the_reapers_read_and_write(pg: Ledger) -> None:
+    """As for generation leases: a trainer told it still holds its step must keep it."""
+    d = Driver(pg, num_prompts=12)
+    d.admit()
+    d.fill_step(0)
+    assert d.claim(0, "t1") is not None
+    d.tick(301)  # trainer_lease_seconds is 300
+    heartbeat_result: list[bool] = []
+    heartbeat_thread: list[threading.Thread] = []
+
+    def heartbeat() -> None:
+        heartbeat_result.append(
+            d.ledger.transaction(lambda s: extend_training_lease(s, d.run_id, 0, "t1", 300, d.now))
+        )
+
+    def before_flush(session, _context, _instances):  # type: ignore[no-untyped-def]
+        if heartbeat_thread:
+            return
+        thread = threading.Thread(target=heartbeat)
+        heartbeat_thread.append(thread)
+        thread.start()
+        thread.join(timeout=0.5)
+
+    event.listen(pg.sessions, "before_flush", before_flush)
+    try:
+        reaped = d.ledger.transaction(lambda s: expire_leases(s, d.run_id, d.now))
+    finally:
+        event.remove(pg.sessions, "before_flush", before_flush)
+    heartbeat_thread[0].join(timeout=10)
+    assert heartbeat_result, "the heartbeat never finished"
+    step = d.step(0)
+    assert heartbeat_result[0] != (reaped.train_steps == 1), (
+        f"trainer heartbeat said {heartbeat_result[0]}, reaper re-queued {reaped.train_steps}: step is {step.status}"
+    )
+    if heartbeat_result[0]:
+        assert (step.status, step.trainer_id) == ("training", "t1")
+        assert d.finish_training(0, "t1")
+    else:
+        assert (step.status, step.trainer_id) == ("released", None)
+    consistent(d)
+
+
+def test_trainer_heartbeat_racing_the_reaper_has_one_winner(pg: Ledger) -> None:
+    d = many_steps(pg)
+
+    def one_round(s: int, jitter: float) -> None:
+        d.fill_step(s)
+        assert d.claim(s, "t1") is not None
+        d.tick(301)
+        heartbeat = lambda: d.ledger.transaction(  # noqa: E731
+            lambda ses: extend_training_lease(ses, d.run_id, s, "t1", 300, d.now)
+        )
+        extended, reaped = race(heartbeat, reaper(d), jitter=jitter)
+        assert extended != (reaped.train_steps == 1), "both the trainer heartbeat and the reaper won"
+        step = d.step(s)
+        assert step.status == ("training" if extended else "released")
+        consistent(d)
+        trainer = "t1" if extended else "t2"
+        if not extended:
+            assert d.claim(s, trainer) is not None
+        assert d.finish_training(s, trainer)
+
+    for s in range(ROUNDS):
+        one_round(s, 0.002 * (s % 4))
+
+
+def test_worker_taking_the_lease_racing_a_push_that_reaims_it(pg: Ledger) -> None:
+    """(1, 0) waits on replacement R; a v1 group of step 2 wants (1, 0) and R re-aimed at
+    step 2, which needs v >= 1, while a worker on v0 takes R's lease. Either R moves first (the
+    worker's lease then says v >= 1) or the worker first (R stays: v0 cannot serve step 2)."""
+
+    def one_round() -> None:
+        d = Driver(pg, num_prompts=24)
+        d.admit()
+        d.fill_step(0)
+        d.filter_slot(1, 0)
+        replacement = d.live_of(1, 0)
+        assert d.train(0)
+        d.admit()
+        pushed = d.live_of(2, 0)
+        d.start(pushed.id, engine_version=1)
+        lease, outcomes = race(
+            lambda: d.ledger.transaction(lambda s: start_attempt(s, replacement.id, "w2", d.now, 0)),
+            recorder(d, d.result(pushed.id, SPREAD, version=1)),
+        )
+        assert lease is not None and outcomes[0].outcome is Outcome.COMMITTED
+        moved = d.attempt(replacement.id)
+        if moved.step == 2:
+            assert d.slot(1, 0).group_attempt_id == pushed.id
+            assert lease.min_weight_version == 1 and moved.min_weight_version == 1
+        else:
+            assert (moved.step, moved.slot_idx, moved.min_weight_version) == (1, 0, 0)
+            assert lease.min_weight_version == 0
+            assert d.slot(2, 0).group_attempt_id == pushed.id
+        assert moved.state == "running"
+        consistent(d)
+
+    for _ in range(ROUNDS // 2):  # each round trains a step to set up the push
         one_round()
+
+
+def test_worker_taking_a_lease_racing_the_queue_timeout(pg: Ledger) -> None:
+    def one_round(jitter: float) -> None:
+        d = Driver(pg, num_prompts=12)
+        d.admit()
+        d.relay()  # eight queued attempts, leased until now + 600
+        attempt = d.live_of(0, 2)
+        d.tick(601)
+        lease, reaped = race(
+            lambda: d.ledger.transaction(lambda ses: start_attempt(ses, attempt.id, "w1", d.now, 0)),
+            reaper(d),
+            jitter=jitter,
+        )
+        state = d.attempt(attempt.id)
+        if lease is not None:
+            # the worker went first: its lease is fresh, the reaper leaves it alone
+            assert state.state == "running" and state.leased_until > d.now
+            assert reaped.attempts == 7
+        else:
+            assert (state.state, state.failure_kind) == ("failed", "infra")
+            assert reaped.attempts == 8
+        consistent(d)
+
+    for i in range(ROUNDS):
+        one_round(0.002 * (i % 4))

@@ -148,12 +148,12 @@ class Driver:
     def admit(self) -> list[int]:
         return self.ledger.transaction(lambda s: admit_steps(s, self.run_id, self.now)).steps
 
-    def relay(self, *, claim_seconds: float = 30.0, send: bool = True) -> list[Outgoing]:
-        """Claim due outbox rows and (unless `send` is False: the relay died before marking
-        them) mark them sent."""
+    def relay(self, *, claim_seconds: float = 30.0, send: bool = True, ids: list[int] | None = None) -> list[Outgoing]:
+        """Claim due outbox rows (only `ids` when given) and (unless `send` is False: the relay
+        died before marking them) mark them sent."""
 
         def go(session):  # type: ignore[no-untyped-def]
-            sent = claim_outbox(session, claimer="relay", now=self.now, claim_seconds=claim_seconds)
+            sent = claim_outbox(session, claimer="relay", now=self.now, claim_seconds=claim_seconds, ids=ids)
             if send:
                 mark_sent(session, sent, self.now)
             return sent
