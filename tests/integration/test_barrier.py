@@ -178,3 +178,24 @@ def test_trainer_extends_its_lease(ledger) -> None:  # type: ignore[no-untyped-d
     assert d.reap().train_steps == 0
     assert d.finish_training(0, "trainer-1")
     assert not ledger.transaction(lambda s: extend_training_lease(s, d.run_id, 0, "trainer-1", 300, d.now))
+
+
+def test_reaper_resends_a_train_step_lost_on_the_broker(ledger) -> None:  # type: ignore[no-untyped-def]
+    d = Driver(ledger)  # queue_timeout_seconds 600
+    d.admit()
+    d.fill_step(0)
+    assert [m.body["step"] for m in d.relay() if m.kind == "train_step"] == [0]
+    d.tick(599)
+    assert d.reap().train_steps == 0  # not yet: the trainer may just be slow to take it
+    d.tick(1)
+    assert d.reap().train_steps == 1  # queue_timeout_seconds after it was sent
+    assert [(m.step, m.sent_at) for m in d.outbox("train_step")][1] == (0, None)
+    assert d.reap().train_steps == 0  # one waits in the outbox already
+    assert [m.body["step"] for m in d.relay() if m.kind == "train_step"] == [0]
+    # a claimed step is not re-sent, however long its message is gone
+    assert d.claim(0) is not None
+    d.tick(299)
+    assert d.reap().train_steps == 0
+    d.tick(2)
+    assert d.reap().train_steps == 1  # its trainer lease (300 s) expired: re-queued once
+    assert d.step(0).status == "released"

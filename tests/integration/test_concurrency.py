@@ -436,3 +436,24 @@ def test_worker_taking_a_lease_racing_the_queue_timeout(pg: Ledger) -> None:
 
     for i in range(ROUNDS):
         one_round(0.002 * (i % 4))
+
+
+def test_consumers_with_batches_over_two_runs_do_not_deadlock(pg: Ledger, caplog: pytest.LogCaptureFixture) -> None:
+    a, b = many_steps(pg), many_steps(pg)
+
+    def one_round(s: int) -> None:
+        ids = {(d.run_id, i): d.live_of(s, i).id for d in (a, b) for i in range(2)}
+        a.start_all([ids[(a.run_id, 0)], ids[(a.run_id, 1)]])
+        b.start_all([ids[(b.run_id, 0)], ids[(b.run_id, 1)]])
+        one = [b.result(ids[(b.run_id, 0)], SPREAD), a.result(ids[(a.run_id, 0)], SPREAD)]
+        two = [a.result(ids[(a.run_id, 1)], SPREAD), b.result(ids[(b.run_id, 1)], SPREAD)]
+        x, y = race(recorder(a, *one), recorder(a, *two))
+        assert [o.outcome for o in x + y] == [Outcome.COMMITTED] * 4
+        assert (a.step(s).committed, b.step(s).committed) == (2, 2)
+        consistent(a)
+        consistent(b)
+
+    with caplog.at_level("WARNING", logger="refill.models.db"):
+        for s in range(ROUNDS // 2):
+            one_round(s)
+    assert [r.message for r in caplog.records if "retrying" in r.message] == []

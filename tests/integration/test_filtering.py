@@ -208,3 +208,18 @@ def test_admission_tops_the_pool_up_too(ledger) -> None:  # type: ignore[no-unty
     assert [s.step for s in d.steps()] == [0, 1, 2]  # step 2 takes 16..19; the pool is at the mark
     assert [d.position(s.prompt_id) for s in d.slots(2)] == [16, 17, 18, 19]
     assert d.spare_pool() == [12, 13, 14, 15]
+
+
+def test_results_after_the_run_failed_in_the_same_batch_are_late(ledger) -> None:  # type: ignore[no-untyped-def]
+    d = Driver(ledger)
+    d.admit()
+    for _ in range(3):
+        d.filter_slot(0, 0)
+    exhausting = d.live_of(0, 0)
+    other = d.live_of(0, 1)
+    d.start_all([exhausting.id, other.id])
+    outcomes = d.record(d.result(exhausting.id, FLAT), d.result(other.id, SPREAD)).outcomes
+    assert [o.outcome for o in outcomes] == [Outcome.FILTERED, Outcome.LATE]
+    assert outcomes[1].detail == "attempt is already cancelled"
+    assert d.run().end_reason == "budget_exhausted"
+    assert d.groups() == [] and d.slot(0, 1).status == "open"

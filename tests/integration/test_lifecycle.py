@@ -184,3 +184,22 @@ def test_claim_by_ids_and_run(ledger) -> None:  # type: ignore[no-untyped-def]
     assert {m.run_id for m in claim(run_id=other.run_id)} == {other.run_id}
     assert len(claim(limit=2)) == 2
     assert len(claim()) == 3
+
+
+def test_a_controller_hands_over_to_its_next_slice(ledger) -> None:  # type: ignore[no-untyped-def]
+    from refill.models.runs import start_run
+
+    d = Driver(ledger)
+    d.admit()
+    before = [(a.id, a.state) for a in d.live()]
+    run = ledger.transaction(
+        lambda s: start_run(s, d.run_id, "controller-2", previous_controller="controller-1", now=d.now)
+    )
+    assert (run.status, run.controller_id) == ("running", "controller-2")
+    assert [(a.id, a.state) for a in d.live()] == before  # a hand-over repairs nothing
+    # a stale hand-over (controller-1 no longer drives it) is an ordinary start: refused
+    # while controller-2 is alive
+    with pytest.raises(RunStateError, match="is driven by controller controller-2"):
+        ledger.transaction(
+            lambda s: start_run(s, d.run_id, "controller-3", previous_controller="controller-1", now=d.now)
+        )
