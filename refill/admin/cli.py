@@ -52,6 +52,21 @@ def _register() -> None:
     app.command("worker")(worker)
     app.command("demo")(demo)
 
+    # Inspecting the ledger (issue 5).
+    from refill.admin import check_command, inspect_commands, metrics_commands
+
+    run_app.command("show")(inspect_commands.run_show)
+    app.command("runs")(inspect_commands.runs)
+    app.command("steps")(inspect_commands.steps)
+    app.command("slots")(inspect_commands.slots)
+    app.command("slot")(inspect_commands.slot)
+    app.command("budget")(inspect_commands.budget)
+    app.command("workers")(inspect_commands.workers)
+    app.command("tail")(inspect_commands.tail)
+    app.command("metrics")(metrics_commands.metrics)
+    app.command("plot")(metrics_commands.plot)
+    app.command("check")(check_command.check)
+
 
 @config_app.command("check")
 def config_check(

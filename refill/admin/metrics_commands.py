@@ -1,0 +1,137 @@
+"""`refill metrics RUN` (table, `--csv`, `--json`) and `refill plot RUN -o FILE.png`.
+
+The metrics are the per-step rows of SPEC §6 as the ledger stores them (`step_metrics`,
+written at release and completed by the trainer). The plot shows whether learning happens when
+the trained reward looks flat: trained reward (after the filter), unfiltered reward (every
+finished attempt) and first-attempt reward (what a run without dynamic sampling would see)
+together; the zero-variance fraction (does the filter have work?); and the step fill time next
+to the trainer's idle time.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from refill.admin.console import EXIT_BAD_INPUT, fail, note, out_console, print_json
+from refill.admin.inspect_commands import AsJson, DatabaseUrl, RunId, jsonable, read, show
+
+#: The plot's panels: (y label, metric names). Each metric's legend label is its name.
+PANELS: list[tuple[str, list[str]]] = [
+    ("mean reward", ["reward", "unfiltered_reward", "first_attempt_reward"]),
+    ("fraction", ["zero_variance_fraction"]),
+    ("seconds", ["step_fill_seconds", "trainer_idle_seconds"]),
+]
+#: PNG text chunk that lists the legend labels drawn, in order (comma-separated).
+SERIES_KEY = "refill.series"
+
+
+def _rows(database_url: str | None, run_id: int) -> list[dict[str, Any]]:
+    from refill.models.queries import get_run, step_metrics
+
+    def question(session: Any) -> list[dict[str, Any]]:
+        get_run(session, run_id)
+        return step_metrics(session, run_id)
+
+    return read(database_url, question)
+
+
+def metrics(
+    run_id: RunId,
+    database_url: DatabaseUrl = None,
+    as_csv: Annotated[bool, typer.Option("--csv", help="Every metric as CSV on stdout.")] = False,
+    as_json: AsJson = False,
+) -> None:
+    """Show the run's per-step metrics (table, --csv or --json).
+
+    The table shows the headline metrics of SPEC §6; CSV and JSON carry every column."""
+    if as_csv and as_json:
+        fail("choose one of --csv and --json", EXIT_BAD_INPUT)
+    rows = _rows(database_url, run_id)
+    if as_json:
+        print_json(jsonable(rows))
+        return
+    if as_csv:
+        keys: list[str] = []
+        for row in rows:
+            keys.extend(k for k in row if k not in keys)
+        writer = csv.DictWriter(sys.stdout, fieldnames=keys, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+        sys.stdout.flush()
+        return
+    if not rows:
+        note(f"run {run_id} has released no step yet")
+        return
+    from refill.admin.progress import metrics_table
+
+    show(metrics_table(rows, title=f"run {run_id}: metrics per step"))
+    note("every column: --csv or --json")
+
+
+def plot(
+    run_id: RunId,
+    output: Annotated[Path, typer.Option("-o", "--output", help="The PNG file to write.", show_default=False)],
+    database_url: DatabaseUrl = None,
+    as_json: AsJson = False,
+) -> None:
+    """Plot the run's rewards, zero-variance fraction and timings into a PNG.
+
+    Three panels per step: reward, unfiltered_reward and first_attempt_reward together;
+    zero_variance_fraction; step_fill_seconds and trainer_idle_seconds."""
+    if output.suffix.lower() != ".png":
+        fail(f"{output}: the plot is a PNG; name the file *.png", EXIT_BAD_INPUT)
+    if output.parent and not output.parent.exists():
+        fail(f"{output.parent}: no such directory", EXIT_BAD_INPUT)
+    from refill.models.queries import get_run
+
+    name = read(database_url, lambda s: get_run(s, run_id).name)
+    rows = _rows(database_url, run_id)
+    if not rows:
+        fail(f"run {run_id} has released no step yet: nothing to plot", EXIT_BAD_INPUT)
+    labels = render(rows, output, title=f"refill run {run_id} ({name})", run_id=run_id)
+    if as_json:
+        print_json({"path": str(output), "run_id": run_id, "steps": len(rows), "series": labels})
+        return
+    out_console.print(f"{output}: {len(rows)} steps; {', '.join(labels)}", markup=False)
+
+
+def render(rows: list[dict[str, Any]], output: Path, *, title: str, run_id: int) -> list[str]:
+    """Draw the three panels into `output`; returns the legend labels drawn, which are also
+    stored in the PNG's `refill.series` text chunk."""
+    # The object API with an explicit Agg canvas: no pyplot, no global backend switch.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    figure = Figure(figsize=(9, 9), dpi=100, layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.subplots(len(PANELS), 1, sharex=True)
+    steps = [row["step"] for row in rows]
+    for ax, (ylabel, keys) in zip(axes, PANELS, strict=True):
+        for key in keys:
+            values = [float("nan") if row.get(key) is None else float(row[key]) for row in rows]
+            ax.plot(steps, values, marker="o", markersize=3, linewidth=1.5, label=key)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend(loc="best", fontsize="small")
+    axes[0].set_title(title)
+    axes[-1].set_xlabel("step")
+    axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
+    labels = [text.get_text() for ax in axes for text in ax.get_legend().get_texts()]
+    figure.savefig(
+        output,
+        format="png",
+        metadata={
+            "Title": title,
+            SERIES_KEY: ",".join(labels),
+            "refill.run": str(run_id),
+            "refill.steps": json.dumps(steps),
+        },
+    )
+    return labels
