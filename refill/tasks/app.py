@@ -36,10 +36,14 @@ def broker_url_from_env() -> str:
 
 
 def celery_settings(broker_url: str, key_prefix: str | None = None) -> dict[str, Any]:
+    visibility_timeout = int(os.environ.get("REFILL_VISIBILITY_TIMEOUT", DEFAULT_VISIBILITY_TIMEOUT))
     transport_options: dict[str, Any] = {
-        "visibility_timeout": int(
-            os.environ.get("REFILL_VISIBILITY_TIMEOUT", DEFAULT_VISIBILITY_TIMEOUT)
-        )
+        "visibility_timeout": visibility_timeout,
+        # kombu looks for messages whose visibility timeout passed only every
+        # interval * throttle seconds (10 * 10 by default), so a lowered timeout would take up
+        # to 100 s more to act; sweep at least four times per timeout (at most every 10 s).
+        "unacked_restore_interval": max(1, min(10, visibility_timeout // 4)),
+        "unacked_restore_throttle": 1,
     }
     prefix = key_prefix or os.environ.get("REFILL_BROKER_PREFIX")
     if prefix:
