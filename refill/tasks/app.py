@@ -10,6 +10,9 @@
   only after its work is certainly abandoned, and the ledger's reaper has usually
   re-dispatched it long before (the repeat is then refused by the lease handshake).
 - No result backend, no chords or groups: nothing depends on Celery results (SPEC §2).
+- A worker lives through a Redis restart: it reconnects (kombu's Redis transport, with the
+  guard in refill.tasks.redis_transport), and what the lost connection held comes back by the
+  visibility timeout or the ledger's reaper.
 
 `celery -A refill.tasks.app worker ...` finds `app` here (built from REFILL_BROKER_URL); the
 embedded runner and tests build their own with `make_app`. `refill worker ROLE` builds the
@@ -53,7 +56,13 @@ def celery_settings(broker_url: str, key_prefix: str | None = None) -> dict[str,
         # kombu's in-memory transport polls; its default of 1 s would make every hop slow.
         transport_options = {"polling_interval": 0.005}
     exchange = Exchange("refill", type="direct")
-    return {
+    settings: dict[str, Any] = {}
+    if broker_url.startswith("redis://"):
+        # kombu's transport with a guard that keeps a worker alive through a Redis restart.
+        from refill.tasks.redis_transport import TRANSPORT
+
+        settings["broker_transport"] = TRANSPORT
+    return settings | {
         "broker_url": broker_url,
         "broker_transport_options": transport_options,
         "broker_connection_retry_on_startup": True,
@@ -69,7 +78,11 @@ def celery_settings(broker_url: str, key_prefix: str | None = None) -> dict[str,
         "task_acks_on_failure_or_timeout": True,
         "worker_prefetch_multiplier": 1,
         "worker_hijack_root_logger": False,
-        "worker_cancel_long_running_tasks_on_connection_loss": True,
+        # Every role runs a threads pool, which cannot cancel a running task: asking it to on a
+        # connection loss only logs a traceback per task in flight. Such a task finishes; its
+        # message comes back after the visibility timeout (a repeat the receivers ignore) or,
+        # if Redis lost it, the ledger re-dispatches its attempt.
+        "worker_cancel_long_running_tasks_on_connection_loss": False,
         "task_default_queue": CONTROL,
         "task_default_exchange": "refill",
         "task_queues": [Queue(name, exchange, routing_key=name) for name in QUEUES],
