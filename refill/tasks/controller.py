@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from celery import Celery
+from kombu.exceptions import OperationalError as BrokerUnreachable
 
 from refill.models.admission import admit_steps
 from refill.models.db import Ledger
@@ -64,6 +65,8 @@ class Controller:
         self.relay_interval = relay_interval
         self.housekeeping_interval = housekeeping_interval
         self._last_housekeeping = 0.0
+        self._broker_down_since: float | None = None
+        self._broker_warned = 0.0
 
     def start(self, *, previous_controller: str | None = None, takeover_after_seconds: float = 30.0) -> None:
         """Take control of the run (resuming it if it was stopped or its controller died)."""
@@ -86,7 +89,22 @@ class Controller:
             status = self._housekeeping()
             if status != RunStatus.RUNNING.value:
                 return status
-        relay(self.ledger, self.app, claimer=self.controller_id, run_id=self.run_id)
+        try:
+            relay(self.ledger, self.app, claimer=self.controller_id, run_id=self.run_id)
+        except BrokerUnreachable as error:
+            # Redis is down or restarting: the rows stay in the outbox (the relay's transaction
+            # rolled back) and go out once it is back. The controller must outlive the outage.
+            if self._broker_down_since is None:
+                self._broker_down_since = now
+            if now - self._broker_warned >= 10.0:
+                self._broker_warned = now
+                log.warning("run %s: cannot reach the broker (%s); the outbox waits for it", self.run_id, error)
+        else:
+            if self._broker_down_since is not None:
+                log.warning(
+                    "run %s: the broker is back after %.0fs", self.run_id, now - self._broker_down_since
+                )
+                self._broker_down_since = None
         return RunStatus.RUNNING.value
 
     def _housekeeping(self) -> str:
