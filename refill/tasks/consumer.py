@@ -25,6 +25,7 @@ from refill.models.db import Ledger
 from refill.models.payload import PayloadError, ResultMessage
 from refill.models.results import record_results
 from refill.models.tables import RejectedResult, RejectReason
+from refill.tasks.chaos import ConsumerChaos
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class ResultConsumer:
     ) -> None:
         self.ledger = ledger
         self.after_commit = after_commit
+        self._chaos = ConsumerChaos()  # inert unless the fault suite sets its knob
         self._batcher: MicroBatcher[dict[str, Any], str] = MicroBatcher(
             self._process, max_batch=max_batch, max_wait_ms=max_wait_ms, name="results-consumer"
         )
@@ -70,7 +72,9 @@ class ResultConsumer:
                         received_at=now,
                     )
                 )
-            return record_results(session, [message for _, message in decoded], now)
+            recorded = record_results(session, [message for _, message in decoded], now)
+            self._chaos.before_commit([message.attempt_id for _, message in decoded])
+            return recorded
 
         batch = self.ledger.transaction(write, what="record results")
         outcomes = ["MALFORMED"] * len(bodies)

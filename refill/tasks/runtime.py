@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from celery import Celery
 
 from refill.models.db import Ledger
+from refill.tasks import chaos
 
 if TYPE_CHECKING:
     from refill.tasks.consumer import ResultConsumer
@@ -38,6 +39,7 @@ class Runtime:
         self._generation: GenerationService | None = None
         self._consumer: ResultConsumer | None = None
         self._trainer: TrainerService | None = None
+        chaos.announce()
 
     def relay(self, outbox_ids: list[int]) -> int:
         """Send what a commit just wrote, without waiting for the controller's relay tick."""
@@ -76,9 +78,10 @@ class Runtime:
     def send_result(self, body: dict) -> None:
         from refill.tasks.queues import RESULTS, TASK_RECORD_RESULT
 
-        self.app.send_task(
-            TASK_RECORD_RESULT, args=[body], queue=RESULTS, routing_key=RESULTS, serializer="json"
-        )
+        for _ in range(chaos.result_copies()):  # 1, or 2 when the fault suite injects duplicates
+            self.app.send_task(
+                TASK_RECORD_RESULT, args=[body], queue=RESULTS, routing_key=RESULTS, serializer="json"
+            )
 
     def close(self) -> None:
         for part in (self._generation, self._consumer, self._trainer):
