@@ -193,6 +193,10 @@ class SimConfig(_Section):
     seed: int | None = None
     key_field: str | None = None  # a row field naming the prompt; None keys by the prompt text
     virtual: bool = False  # report sampled latency without sleeping (virtual-time benchmarks)
+    # Fault tests: the share of groups returned one completion short (a data failure in the ledger).
+    wrong_group_size_rate: float = Field(0.0, ge=0, le=1)
+    # Fault tests: the share of groups padded past infra.max_result_bytes (refused by the worker).
+    oversized_rate: float = Field(0.0, ge=0, le=1)
 
 
 class VllmConfig(_Section):

@@ -37,6 +37,12 @@ Knobs (``generation.sim.*``, defaults in brackets):
   (``EngineError``), drawn from the request's seed.
 - ``tokens_per_completion`` [8], ``vocab_size`` [100]: fake token ids in ``[0, vocab_size)`` and
   fake (negative, finite) log-probs, so the trainer and ledger see well-formed payloads.
+- ``wrong_group_size_rate`` [0.0]: probability that a group comes back with one completion
+  too few (one too many when ``n`` is 1), drawn from the request's seed: a malformed output the
+  ledger must record as a data failure (fault tests).
+- ``oversized_rate`` [0.0]: probability that a group comes back larger than
+  ``infra.max_result_bytes`` (its first completion's text padded past the limit), drawn from
+  the request's seed: an output the worker must refuse to send (fault tests).
 
 ``load_weights`` only records the version.
 """
@@ -143,6 +149,9 @@ class SimEngine:
         tokens_per_completion: int = 8,
         vocab_size: int = 100,
         virtual: bool = False,
+        wrong_group_size_rate: float = 0.0,
+        oversized_rate: float = 0.0,
+        oversized_chars: int = 64 * 2**20 + 1,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         if solve_rate_alpha <= 0 or solve_rate_beta <= 0:
@@ -155,6 +164,10 @@ class SimEngine:
             raise ValueError("generation.sim.tokens_per_completion must be at least 1")
         if vocab_size < 1:
             raise ValueError("generation.sim.vocab_size must be at least 1")
+        if not 0 <= wrong_group_size_rate <= 1:
+            raise ValueError("generation.sim.wrong_group_size_rate must be in [0, 1]")
+        if not 0 <= oversized_rate <= 1:
+            raise ValueError("generation.sim.oversized_rate must be in [0, 1]")
         self.seed = seed
         self.alpha = solve_rate_alpha
         self.beta = solve_rate_beta
@@ -165,6 +178,9 @@ class SimEngine:
         self.tokens_per_completion = tokens_per_completion
         self.vocab_size = vocab_size
         self.virtual = virtual
+        self.wrong_group_size_rate = wrong_group_size_rate
+        self.oversized_rate = oversized_rate
+        self.oversized_chars = oversized_chars
         self._sleep = sleep
         self._symmetric: dict[int, float] = {}
         self.weight_version: int | None = None
@@ -193,6 +209,9 @@ class SimEngine:
             virtual=bool(cfg(config, "generation.sim.virtual", False))
             if virtual is None
             else virtual,
+            wrong_group_size_rate=float(cfg(config, "generation.sim.wrong_group_size_rate", 0.0)),
+            oversized_rate=float(cfg(config, "generation.sim.oversized_rate", 0.0)),
+            oversized_chars=int(cfg(config, "infra.max_result_bytes", 64 * 2**20)) + 1,
             **kwargs,
         )
 
@@ -243,6 +262,13 @@ class SimEngine:
                     finish_reason="stop" if length == self.tokens_per_completion else "length",
                 )
             )
+        if random.Random(stable_seed(request.seed, "wrong-size")).random() < self.wrong_group_size_rate:
+            if len(completions) > 1:
+                completions.pop()
+            else:
+                completions.append(completions[0])
+        if random.Random(stable_seed(request.seed, "oversized")).random() < self.oversized_rate:
+            completions[0].text += " " * self.oversized_chars
         prompt_ids = [b % self.vocab_size for b in request.prompt.encode("utf-8")] or [0]
         return GenerationOutput(prompt_token_ids=prompt_ids, completions=completions)
 
