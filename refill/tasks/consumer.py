@@ -17,6 +17,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from refill.batching import MicroBatcher
@@ -24,8 +25,11 @@ from refill.models.context import utcnow
 from refill.models.db import Ledger
 from refill.models.payload import PayloadError, ResultMessage
 from refill.models.results import record_results
-from refill.models.tables import RejectedResult, RejectReason
+from refill.models.tables import RejectedResult, RejectReason, Run
 from refill.tasks.chaos import ConsumerChaos
+from refill.tasks.generation import estimated_result_bytes
+
+DEFAULT_MAX_RESULT_BYTES = 64 * 2**20
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +46,7 @@ class ResultConsumer:
         self.ledger = ledger
         self.after_commit = after_commit
         self._chaos = ConsumerChaos()  # inert unless the fault suite sets its knob
+        self._max_bytes: dict[int, int] = {}  # run -> infra.max_result_bytes (runs' configs never change)
         self._batcher: MicroBatcher[dict[str, Any], str] = MicroBatcher(
             self._process, max_batch=max_batch, max_wait_ms=max_wait_ms, name="results-consumer"
         )
@@ -72,7 +77,9 @@ class ResultConsumer:
                         received_at=now,
                     )
                 )
-            recorded = record_results(session, [message for _, message in decoded], now)
+            limits = self._result_limits(session, {message.run_id for _, message in decoded})
+            messages = [_within_limit(message, limits.get(message.run_id)) for _, message in decoded]
+            recorded = record_results(session, messages, now)
             self._chaos.before_commit([message.attempt_id for _, message in decoded])
             return recorded
 
@@ -89,8 +96,38 @@ class ResultConsumer:
                 log.warning("immediate relay failed (%r); the controller's relay will send them", error)
         return outcomes
 
+    def _result_limits(self, session: Session, run_ids: set[int]) -> dict[int, int]:
+        missing = [r for r in run_ids if r not in self._max_bytes]
+        if missing:
+            # Only the config column: loading Run entities here would put rows read before the
+            # run lock into the session that record_results then locks and trusts.
+            for run_id, config in session.execute(select(Run.id, Run.config).where(Run.id.in_(missing))):
+                infra = (config or {}).get("infra") or {}
+                self._max_bytes[run_id] = int(infra.get("max_result_bytes") or DEFAULT_MAX_RESULT_BYTES)
+        return self._max_bytes
+
     def close(self) -> None:
         self._batcher.close(timeout=30)
+
+
+def _within_limit(message: ResultMessage, limit: int | None) -> ResultMessage:
+    """An oversized result becomes a data failure of its attempt: the limit holds on receipt,
+    not only in workers that check before sending."""
+    if limit is None or message.error_kind is not None:
+        return message
+    size = estimated_result_bytes(message)
+    if size <= limit:
+        return message
+    log.error("result for attempt %s from %s is about %d bytes, over %d", message.attempt_id, message.worker, size, limit)
+    return ResultMessage(
+        run_id=message.run_id,
+        attempt_id=message.attempt_id,
+        worker=message.worker,
+        weight_version=message.weight_version,
+        error_kind="data",
+        error=f"result of about {size} bytes exceeds infra.max_result_bytes={limit} (refused by the consumer)",
+        generation_seconds=message.generation_seconds,
+    )
 
 
 def _int_or_none(value: Any) -> int | None:
