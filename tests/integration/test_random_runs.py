@@ -44,6 +44,13 @@ def walk(d: Driver, rng: random.Random, max_ops: int) -> int:
         elif roll < 0.08:
             d.stop()
             d.resume()
+        elif roll < 0.11:
+            # a redelivered or late result of an attempt that is no longer in flight
+            done = [a for a in d.attempts() if a.state not in ("pending", "queued", "running")]
+            if done:
+                old = rng.choice(done)
+                outcome = d.record(d.result(old.id, [0.0, 1.0, 0.0, 1.0], old.weight_version or 0)).outcomes[0]
+                assert outcome.outcome in (Outcome.DUPLICATE, Outcome.LATE), (old.state, outcome)
         else:
             attempt = rng.choice(live)
             lease = d.start(attempt.id) if attempt.state != "running" else None
@@ -56,7 +63,8 @@ def walk(d: Driver, rng: random.Random, max_ops: int) -> int:
                 assert outcome.outcome in (Outcome.COMMITTED, Outcome.FAILED)
             elif action < 0.80:
                 outcome = d.record(d.result(attempt.id, FLAT, version)).outcomes[0]
-                assert outcome.outcome is Outcome.FILTERED
+                filtering = d.config["grpo"]["use_dynamic_sampling"]
+                assert outcome.outcome in ((Outcome.FILTERED,) if filtering else (Outcome.COMMITTED, Outcome.FAILED))
             elif action < 0.92:
                 d.fail(attempt.id, "infra", "worker lost")
             elif action < 0.96:
