@@ -21,8 +21,8 @@ from refill.models.leases import expire_leases, extend_lease, start_attempt
 from refill.models.outbox import claim_outbox, mark_sent
 from refill.models.results import Outcome, record_results
 from refill.models.training import claim_training, extend_training_lease
+from tests.support import invariants
 from tests.support.driver import SPREAD, Driver
-from tests.support.invariants import assert_ledger_consistent
 
 ROUNDS = 20
 
@@ -53,9 +53,21 @@ def race(*fns: Callable[[], Any], jitter: float = 0.0) -> list[Any]:
     return results
 
 
+#: checked after every round; the after-test hook checks every invariant once more
+ROUND_CHECKS = (
+    invariants.check_live_attempts,
+    invariants.check_step_counters,
+    invariants.check_released_steps_full,
+    invariants.check_groups,
+    invariants.check_staleness,
+    invariants.check_budgets,
+)
+
+
 def consistent(d: Driver) -> None:
     with d.ledger.session() as s:
-        assert_ledger_consistent(s, d.run_id)
+        problems = [line for check in ROUND_CHECKS for line in check(s, d.run_id)]
+    assert not problems, problems
 
 
 def recorder(d: Driver, *messages):  # type: ignore[no-untyped-def]

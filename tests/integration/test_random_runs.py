@@ -91,7 +91,7 @@ def test_random_run_keeps_every_invariant(request, seed: int, sampler: dict, loo
                 "max_consecutive_dropped_prompts": 50,
             },
         },
-        num_prompts=36,
+        num_prompts=28,
     )
     ops = walk(d, random.Random(seed), max_ops=400)
     run = d.run()
