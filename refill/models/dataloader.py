@@ -62,20 +62,17 @@ def refill_spare_pool(ctx: RunContext) -> int:
     if not spare_refill_needed(ctx.spare_count, settings.replacement_reserve_prompts, ctx.run.loader_exhausted):
         return 0
     prompt_ids = draw(ctx, settings.num_prompts_per_step)
-    ctx.session.add_all(
-        SparePrompt(run_id=ctx.run.id, prompt_id=pid, epoch=ctx.run.loader_epoch, added_at=ctx.now)
-        for pid in prompt_ids
-    )
-    ctx.spare_changed(len(prompt_ids))
+    add_to_pool(ctx, prompt_ids)
     return len(prompt_ids)
 
 
 def add_to_pool(ctx: RunContext, prompt_ids: list[int]) -> None:
-    ctx.session.add_all(
+    spares = [
         SparePrompt(run_id=ctx.run.id, prompt_id=pid, epoch=ctx.run.loader_epoch, added_at=ctx.now)
         for pid in prompt_ids
-    )
-    ctx.spare_changed(len(prompt_ids))
+    ]
+    ctx.spare_added(spares)
+    ctx.session.add_all(spares)
 
 
 def take_spare(ctx: RunContext) -> SparePrompt | None:
@@ -85,21 +82,11 @@ def take_spare(ctx: RunContext) -> SparePrompt | None:
         # while the loader still has prompts; draw now rather than shrink a step needlessly.
         if ctx.run.loader_exhausted:
             return None
-        ctx.session.flush()
         add_to_pool(ctx, draw(ctx, ctx.settings.num_prompts_per_step))
-        if ctx.spare_count == 0:
-            return None
-    ctx.session.flush()
-    spare = ctx.session.scalars(
-        select(SparePrompt)
-        .where(SparePrompt.run_id == ctx.run.id, SparePrompt.taken_at.is_(None))
-        .order_by(SparePrompt.id)
-        .limit(1)
-    ).first()
+    spare = ctx.next_spare()
     if spare is None:
-        ctx._spare_count = 0
         return None
     spare.taken_at = ctx.now
-    ctx.spare_changed(-1)
+    ctx.spare_taken()
     refill_spare_pool(ctx)
     return spare

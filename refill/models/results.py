@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import select
+from sqlalchemy import select, tuple_
 from sqlalchemy.orm import Session
 
 from refill.models import decisions
@@ -40,7 +40,10 @@ from refill.models.tables import (
     Group,
     RejectedResult,
     RejectReason,
+    Slot,
     SlotStatus,
+    Step,
+    StepStatus,
 )
 
 log = logging.getLogger(__name__)
@@ -90,19 +93,27 @@ def record_results(
                     session, result, RejectReason.UNKNOWN, f"there is no run {run_id}", now
                 )
             continue
-        ids = [r.attempt_id for _, r in items]
-        # One query loads every attempt of the batch into the identity map.
-        attempts = {
-            a.id: a
-            for a in session.scalars(
-                select(Attempt).where(Attempt.run_id == run_id, Attempt.id.in_(ids))
-            )
-        }
+        attempts = _preload(ctx, [r.attempt_id for _, r in items])
         for position, result in items:
             outcomes[position] = _record_one(ctx, attempts.get(result.attempt_id), result)
         session.flush()
         outbox_ids.extend(ctx.outbox_ids)
     return BatchResult([o for o in outcomes if o is not None], outbox_ids)
+
+
+def _preload(ctx: RunContext, attempt_ids: list[int]) -> dict[int, Attempt]:
+    """Load the batch's attempts, the slots they serve and the run's unfinished steps into the
+    session in three queries; the decisions then find them in the identity map."""
+    session, run_id = ctx.session, ctx.run.id
+    attempts = {
+        a.id: a
+        for a in session.scalars(select(Attempt).where(Attempt.run_id == run_id, Attempt.id.in_(attempt_ids)))
+    }
+    keys = {(a.step, a.slot_idx) for a in attempts.values() if a.slot_idx is not None}
+    if keys:
+        ctx.pin(list(session.scalars(select(Slot).where(Slot.run_id == run_id, tuple_(Slot.step, Slot.idx).in_(keys)))))
+    ctx.pin(list(session.scalars(select(Step).where(Step.run_id == run_id, Step.status != StepStatus.TRAINED.value))))
+    return attempts
 
 
 def _reject(
@@ -277,7 +288,6 @@ def _commit(ctx: RunContext, attempt: Attempt, result: ResultMessage) -> None:
         moves=0,
     )
     ctx.session.add(group)
-    ctx.session.flush()
     if place(ctx, group, own) is None and own is not None:
         # The sampler parked the group rather than train it in its own slot (windowed: too
         # stale for the window). The slot must not be left without a live attempt: generate

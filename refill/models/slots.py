@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from sqlalchemy import case, exists, func, select, update
+from sqlalchemy.orm.util import identity_key
 
 from refill.models import decisions
 from refill.models.context import RunContext
@@ -75,6 +76,7 @@ def dispatch(
     ctx.session.add(attempt)
     if slot is not None:
         slot.attempts += 1
+        ctx.new_live[(slot.step, slot.idx)] = attempt
     row = Outbox(
         run_id=ctx.run.id,
         kind=OutboxKind.GENERATE.value,
@@ -93,9 +95,7 @@ def dispatch_spare(ctx: RunContext, slot: Slot, reason: AttemptReason) -> bool:
     spare = take_spare(ctx)
     if spare is None:
         return False
-    attempt = dispatch(ctx, step=slot.step, slot=slot, prompt_id=spare.prompt_id, reason=reason)
-    ctx.session.flush()
-    spare.taken_by_attempt = attempt.id
+    spare.taken_by = dispatch(ctx, step=slot.step, slot=slot, prompt_id=spare.prompt_id, reason=reason)
     return True
 
 
@@ -111,6 +111,8 @@ def fill(ctx: RunContext, slot: Slot, group: Group, *, moved: bool) -> None:
     if moved:
         slot.borrowed_in += 1
         group.moves += 1
+    ctx.waiting_removed(slot)
+    ctx.lendable_added(GroupView(group.attempt_id, group.weight_version, slot.step, slot.idx))
     step = ctx.step(slot.step)
     step.committed += 1
     maybe_release(ctx, step)
@@ -121,6 +123,7 @@ def shrink(ctx: RunContext, slot: Slot, reason: ShrinkReason) -> None:
     slot.shrink_reason = reason.value
     slot.needs_replacement = False
     slot.settled_at = ctx.now
+    ctx.waiting_removed(slot)
     step = ctx.step(slot.step)
     step.shrunk += 1
     if reason is ShrinkReason.DROPPED:
@@ -143,28 +146,18 @@ def shrink(ctx: RunContext, slot: Slot, reason: ShrinkReason) -> None:
 
 
 def maybe_release(ctx: RunContext, step: Step) -> bool:
-    """The barrier: release a full step exactly once and queue its training."""
+    """The barrier: release a full step exactly once and queue its training.
+
+    Exactly once because every writer of the run's slots holds the run's row lock (see
+    `RunContext.open`), and the step leaves 'open' here and nowhere else; the database's
+    CHECK that a step out of 'open' is full catches any path that would break that.
+    """
     if step.status != StepStatus.OPEN.value or not decisions.step_is_full(
         step.committed, step.num_slots, step.shrunk
     ):
         return False
-    ctx.session.flush()
-    # The conditional update is the exactly-once guarantee even if a caller forgot the run
-    # lock: only the transaction that moves the row out of 'open' releases it.
-    released = ctx.session.execute(
-        update(Step)
-        .where(
-            Step.run_id == ctx.run.id,
-            Step.step == step.step,
-            Step.status == StepStatus.OPEN.value,
-            Step.committed == Step.num_slots - Step.shrunk,
-        )
-        .values(status=StepStatus.RELEASED.value, released_at=ctx.now)
-        .execution_options(synchronize_session=False)
-    ).rowcount
-    ctx.session.refresh(step)
-    if released != 1:
-        return False
+    step.status = StepStatus.RELEASED.value
+    step.released_at = ctx.now
     from refill.models.metrics import record_release_metrics
 
     record_release_metrics(ctx, step)
@@ -207,41 +200,32 @@ def replace(ctx: RunContext, slot: Slot, *, after_filter: bool) -> None:
     reason = AttemptReason.FILTER_REPLACEMENT if after_filter else AttemptReason.DROP_REPLACEMENT
     if source is decisions.Source.SHRINK or not dispatch_spare(ctx, slot, reason):
         shrink(ctx, slot, ShrinkReason.END_OF_DATA)
+        return
+    ctx.waiting_added(slot)
 
 
 def lender_candidates(ctx: RunContext, step: int, limit: int = 128) -> list[GroupView]:
-    """Groups `step` may borrow: parked surplus and groups committed for later open steps."""
-    settings = ctx.settings
-    session = ctx.session
-    session.flush()
-    later = session.execute(
-        select(Slot.step, Slot.idx, Group.attempt_id, Group.weight_version)
-        .join(Group, Group.attempt_id == Slot.group_attempt_id)
-        .join(Step, (Step.run_id == Slot.run_id) & (Step.step == Slot.step))
-        .where(
-            Slot.run_id == ctx.run.id,
-            Slot.step > step,
-            Slot.status == SlotStatus.COMMITTED.value,
-            Step.status == StepStatus.OPEN.value,
-            Group.weight_version >= step - settings.max_lookahead_versions,
-        )
-        .order_by(Slot.step.desc(), Group.attempt_id.desc())
-        .limit(limit)
-    ).all()
-    parked = session.execute(
-        select(Group.attempt_id, Group.weight_version)
-        .where(
-            Group.run_id == ctx.run.id,
-            Group.parked.is_(True),
-            Group.weight_version >= step - settings.max_lookahead_versions,
-            Group.weight_version <= step,
-        )
-        .order_by(Group.weight_version, Group.attempt_id)
-        .limit(limit)
-    ).all()
-    return [GroupView(a, v, None, None) for a, v in parked] + [
-        GroupView(a, v, s, i) for s, i, a, v in later
-    ]
+    """Groups `step` may borrow: parked surplus and groups committed for later open steps,
+    within the staleness bound of `step`."""
+    floor = step - ctx.settings.max_lookahead_versions
+    found: list[GroupView] = []
+    seen: set[int] = set()
+    for view in ctx.lendable():
+        if view.attempt_id in seen or view.weight_version < floor:
+            continue
+        if view.step is None:
+            if view.weight_version > step:
+                continue
+        elif view.step <= step:
+            continue
+        if not ctx.still_lendable(view):
+            continue
+        seen.add(view.attempt_id)
+        found.append(view)
+    # Parked groups first, then the latest steps: the order the cache was built in, with the
+    # groups committed during this transaction sorted in.
+    found.sort(key=lambda v: (v.step is not None, -(v.step or 0), -v.attempt_id))
+    return found[:limit]
 
 
 def borrow(ctx: RunContext, lender: GroupView, slot: Slot) -> None:
@@ -262,6 +246,8 @@ def borrow(ctx: RunContext, lender: GroupView, slot: Slot) -> None:
         source.needs_replacement = True
         if not dispatch_spare(ctx, source, AttemptReason.RESPAWN):
             shrink(ctx, source, ShrinkReason.END_OF_DATA)
+        else:
+            ctx.waiting_added(source)
     else:
         fill(ctx, slot, group, moved=True)
 
@@ -270,27 +256,63 @@ def borrow(ctx: RunContext, lender: GroupView, slot: Slot) -> None:
 
 
 def placement_candidates(ctx: RunContext, group: Group, own: Slot | None, limit: int = 32) -> list[SlotView]:
-    """Open slots, earlier than the group's own, that it may fill within the staleness bound."""
-    settings = ctx.settings
-    bound_step = group.weight_version + settings.max_lookahead_versions
-    query = (
-        select(Slot.step, Slot.idx, Slot.needs_replacement)
-        .join(Step, (Step.run_id == Slot.run_id) & (Step.step == Slot.step))
-        .where(
-            Slot.run_id == ctx.run.id,
-            Slot.status == SlotStatus.OPEN.value,
-            Step.status == StepStatus.OPEN.value,
-            Slot.step <= bound_step,
+    """Open slots, earlier than the group's own, that it may fill within the staleness bound:
+    slots waiting on a replacement for `in_order`, any open slot for the other samplers."""
+    bound_step = group.weight_version + ctx.settings.max_lookahead_versions
+    ceiling = own.step if own is not None else bound_step + 1
+    slots: dict[tuple[int, int], Slot] = {
+        key: slot for key, slot in ctx.waiting().items() if key[0] < ceiling and key[0] <= bound_step
+    }
+    if ctx.settings.sampler_name != "in_order":
+        ctx.session.flush()
+        slots.update(
+            ((slot.step, slot.idx), slot)
+            for slot in ctx.session.scalars(
+                select(Slot)
+                .join(Step, (Step.run_id == Slot.run_id) & (Step.step == Slot.step))
+                .where(
+                    Slot.run_id == ctx.run.id,
+                    Slot.status == SlotStatus.OPEN.value,
+                    Step.status == StepStatus.OPEN.value,
+                    Slot.step < ceiling,
+                    Slot.step <= bound_step,
+                )
+                .order_by(Slot.step, Slot.needs_replacement.desc(), Slot.idx)
+                .limit(limit)
+            )
         )
+    views = [
+        SlotView(slot.step, slot.idx, bool(slot.needs_replacement))
+        for slot in slots.values()
+        if slot.status == SlotStatus.OPEN.value and ctx.step_open(slot.step)
+    ]
+    views.sort(key=lambda v: (v.step, not v.needs_replacement, v.idx))
+    return views[:limit]
+
+
+def _persisted_live_update(ctx: RunContext, slot: Slot, values: dict, *, extra_condition=None) -> int | None:  # type: ignore[no-untyped-def]
+    """Update the stored live attempt serving `slot` (conditionally); its id, or None."""
+    for obj in ctx.session.dirty:
+        if isinstance(obj, Attempt) and (obj.step, obj.slot_idx) == (slot.step, slot.idx):
+            ctx.session.flush()
+            break
+    query = update(Attempt).where(
+        Attempt.run_id == ctx.run.id,
+        Attempt.step == slot.step,
+        Attempt.slot_idx == slot.idx,
+        Attempt.state.in_(LIVE),
     )
-    if own is not None:
-        query = query.where(Slot.step < own.step)
-    if settings.sampler_name == "in_order":
-        query = query.where(Slot.needs_replacement.is_(True))
-    rows = ctx.session.execute(
-        query.order_by(Slot.step, Slot.needs_replacement.desc(), Slot.idx).limit(limit)
-    ).all()
-    return [SlotView(s, i, bool(n)) for s, i, n in rows]
+    if extra_condition is not None:
+        query = query.where(extra_condition)
+    moved = ctx.session.execute(
+        query.values(**values).returning(Attempt.id).execution_options(synchronize_session=False)
+    ).scalars().all()
+    for attempt_id in moved:
+        # An object already loaded must not keep (and later write back) the old aim.
+        obj = ctx.session.identity_map.get(identity_key(Attempt, attempt_id))
+        if obj is not None:
+            ctx.session.expire(obj)
+    return moved[0] if moved else None
 
 
 def reaim(ctx: RunContext, source: Slot, target: Slot) -> bool:
@@ -301,35 +323,36 @@ def reaim(ctx: RunContext, source: Slot, target: Slot) -> bool:
     version it started with, so it may only move to a step that version can still train.
     """
     floor = max(0, target.step - ctx.settings.max_lookahead_versions)
-    ctx.session.flush()
-    moved = ctx.session.execute(
-        update(Attempt)
-        .where(
-            Attempt.run_id == ctx.run.id,
-            Attempt.step == source.step,
-            Attempt.slot_idx == source.idx,
-            Attempt.state.in_(LIVE),
-            (Attempt.state != AttemptState.RUNNING.value) | (Attempt.min_weight_version >= floor),
-        )
-        .values(
-            step=target.step,
-            slot_idx=target.idx,
-            min_weight_version=case(
+    fresh = ctx.new_live.get((source.step, source.idx))
+    if fresh is not None and fresh.state == AttemptState.PENDING.value:
+        # Created in this transaction: nobody else can have seen it.
+        fresh.step, fresh.slot_idx = target.step, target.idx
+        fresh.min_weight_version = max(fresh.min_weight_version, floor)
+        del ctx.new_live[(source.step, source.idx)]
+        ctx.new_live[(target.step, target.idx)] = fresh
+        target.attempts += 1
+        return True
+    moved = _persisted_live_update(
+        ctx,
+        source,
+        {
+            "step": target.step,
+            "slot_idx": target.idx,
+            "min_weight_version": case(
                 (Attempt.min_weight_version < floor, floor), else_=Attempt.min_weight_version
             ),
-        )
-        .execution_options(synchronize_session=False)
-    ).rowcount
-    if moved:
-        target.attempts += 1
-        # Objects already loaded must see the new aim.
-        for obj in list(ctx.session.identity_map.values()):
-            if isinstance(obj, Attempt) and obj.step == source.step and obj.slot_idx == source.idx:
-                ctx.session.expire(obj)
-    return bool(moved)
+        },
+        extra_condition=(Attempt.state != AttemptState.RUNNING.value) | (Attempt.min_weight_version >= floor),
+    )
+    if moved is None:
+        return False
+    target.attempts += 1
+    return True
 
 
 def has_live_attempt(ctx: RunContext, slot: Slot) -> bool:
+    if (slot.step, slot.idx) in ctx.new_live:
+        return True
     ctx.session.flush()
     return bool(
         ctx.session.scalar(
@@ -353,7 +376,7 @@ def place(ctx: RunContext, group: Group, own: Slot | None) -> Slot | None:
     for _ in range(8):
         choice = ctx.sampler.place(view, own_view, candidates)
         if choice is None:
-            group.parked = True
+            park(ctx, group)
             return None
         if own is not None and (choice.step, choice.idx) == (own.step, own.idx):
             fill(ctx, own, group, moved=False)
@@ -374,26 +397,22 @@ def place(ctx: RunContext, group: Group, own: Slot | None) -> Slot | None:
     if own is not None:
         fill(ctx, own, group, moved=False)
         return own
-    group.parked = True
+    park(ctx, group)
     return None
 
 
+def park(ctx: RunContext, group: Group) -> None:
+    group.parked = True
+    ctx.lendable_added(GroupView(group.attempt_id, group.weight_version, None, None))
+
+
 def release_to_extra(ctx: RunContext, slot: Slot) -> None:
-    ctx.session.flush()
-    ctx.session.execute(
-        update(Attempt)
-        .where(
-            Attempt.run_id == ctx.run.id,
-            Attempt.step == slot.step,
-            Attempt.slot_idx == slot.idx,
-            Attempt.state.in_(LIVE),
-        )
-        .values(slot_idx=None, reason=AttemptReason.EXTRA.value)
-        .execution_options(synchronize_session=False)
-    )
-    for obj in list(ctx.session.identity_map.values()):
-        if isinstance(obj, Attempt) and obj.step == slot.step and obj.slot_idx == slot.idx:
-            ctx.session.expire(obj)
+    fresh = ctx.new_live.pop((slot.step, slot.idx), None)
+    if fresh is not None:
+        fresh.slot_idx = None
+        fresh.reason = AttemptReason.EXTRA.value
+        return
+    _persisted_live_update(ctx, slot, {"slot_idx": None, "reason": AttemptReason.EXTRA.value})
 
 
 # --- failures (SPEC §3.2, §3.6) ----------------------------------------------------------
@@ -490,6 +509,7 @@ def fail_run(ctx: RunContext, message: str, reason: str) -> None:
 
 
 def cancel_live_attempts(ctx: RunContext, why: str) -> int:
+    ctx.new_live.clear()
     ctx.session.flush()
     count = ctx.session.execute(
         update(Attempt)

@@ -384,6 +384,12 @@ class SparePrompt(Base):
     taken_at: Mapped[datetime | None]
     taken_by_attempt: Mapped[int | None] = mapped_column(BigId)
 
+    # Lets a spare be linked to an attempt that is not inserted yet; the unit of work fills in
+    # the id at flush. (No database foreign key: the column is an audit trail.)
+    taken_by: Mapped[Attempt | None] = relationship(
+        primaryjoin="foreign(SparePrompt.taken_by_attempt) == Attempt.id"
+    )
+
 
 class WeightVersion(Base):
     __tablename__ = "weight_versions"
