@@ -6,7 +6,8 @@
   SQLite), but kept for the whole session and emptied between tests: a new engine per test
   starts with a cold compiled-statement cache, and TRUNCATE of eleven tables costs PostgreSQL
   more than the test itself. Emptying deletes every row with foreign keys unenforced for the
-  duration (the tables hold a slot <-> attempt cycle).
+  duration (the tables hold a slot <-> attempt cycle); a PostgreSQL role that is not a
+  superuser cannot unenforce them, and truncates instead.
 """
 
 from __future__ import annotations
@@ -24,8 +25,11 @@ from tests.support.invariants import assert_ledger_consistent
 TABLES = [t.name for t in reversed(Base.metadata.sorted_tables)]
 
 
-def _empty_pg(ledger: Ledger) -> None:
+def _empty_pg(ledger: Ledger, superuser: bool) -> None:
     with ledger.engine.begin() as conn:
+        if not superuser:  # session_replication_role is a superuser's setting
+            conn.execute(text(f"TRUNCATE {', '.join(TABLES)} CASCADE"))
+            return
         conn.execute(text("SET LOCAL session_replication_role = replica"))
         for name in TABLES:
             conn.execute(text(f"DELETE FROM {name}"))
@@ -47,9 +51,13 @@ def _empty_sqlite(ledger: Ledger) -> None:
 
 
 @pytest.fixture(scope="session")
-def _shared_pg_ledger(pg_url: str) -> Iterator[Ledger]:
+def _shared_pg_ledger(pg_url: str) -> Iterator[tuple[Ledger, bool]]:
     ledger = Ledger(pg_url)
-    yield ledger
+    with ledger.engine.connect() as conn:
+        superuser = bool(
+            conn.execute(text("SELECT rolsuper FROM pg_roles WHERE rolname = current_user")).scalar()
+        )
+    yield ledger, superuser
     ledger.dispose()
 
 
@@ -63,9 +71,10 @@ def _shared_sqlite_ledger(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 
 
 @pytest.fixture
-def pg_ledger(_shared_pg_ledger: Ledger) -> Ledger:
-    _empty_pg(_shared_pg_ledger)
-    return _shared_pg_ledger
+def pg_ledger(_shared_pg_ledger: tuple[Ledger, bool]) -> Ledger:
+    ledger, superuser = _shared_pg_ledger
+    _empty_pg(ledger, superuser)
+    return ledger
 
 
 @pytest.fixture
