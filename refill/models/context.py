@@ -64,6 +64,8 @@ class RunContext:
     _spares_new: deque[SparePrompt] = field(default_factory=deque)
     _lendable: list[GroupView] | None = None
     _waiting: dict[tuple[int, int], Slot] | None = None
+    #: groups committed in this transaction (not flushed yet, so not found by session.get)
+    new_groups: dict[int, Group] = field(default_factory=dict)
     #: strong references to rows loaded in bulk: the session's identity map holds objects
     #: weakly, and a preloaded row that is dropped would be fetched again one by one.
     pinned: list[object] = field(default_factory=list)
@@ -100,6 +102,9 @@ class RunContext:
         if row is None:
             raise LookupError(f"run {self.run.id} has no slot ({step}, {idx})")
         return row
+
+    def group(self, attempt_id: int) -> Group | None:
+        return self.new_groups.get(attempt_id) or self.session.get(Group, attempt_id)
 
     def step_open(self, step: int) -> bool:
         # Unfinished steps are preloaded (and pinned) by the operations that need this; a step
@@ -202,7 +207,7 @@ class RunContext:
 
     def still_lendable(self, view: GroupView) -> bool:
         if view.step is None:
-            group = self.session.get(Group, view.attempt_id)
+            group = self.group(view.attempt_id)
             return group is not None and group.parked
         slot = self.session.get(Slot, (self.run.id, view.step, view.idx))
         return (

@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 from refill.models import decisions
 from refill.models.context import RunContext, utcnow
 from refill.models.db import UnknownRun
+from refill.models.overdispatch import top_up
 from refill.models.payload import Completion, ResultMessage
 from refill.models.slots import (
     LIVE,
@@ -96,6 +97,7 @@ def record_results(
         attempts = _preload(ctx, [r.attempt_id for _, r in items])
         for position, result in items:
             outcomes[position] = _record_one(ctx, attempts.get(result.attempt_id), result)
+        top_up(ctx)
         session.flush()
         outbox_ids.extend(ctx.outbox_ids)
     return BatchResult([o for o in outcomes if o is not None], outbox_ids)
@@ -288,6 +290,7 @@ def _commit(ctx: RunContext, attempt: Attempt, result: ResultMessage) -> None:
         moves=0,
     )
     ctx.session.add(group)
+    ctx.new_groups[group.attempt_id] = group
     if place(ctx, group, own) is None and own is not None:
         # The sampler parked the group rather than train it in its own slot (windowed: too
         # stale for the window). The slot must not be left without a live attempt: generate

@@ -230,8 +230,9 @@ def lender_candidates(ctx: RunContext, step: int, limit: int = 128) -> list[Grou
 
 def borrow(ctx: RunContext, lender: GroupView, slot: Slot) -> None:
     """Move a committed group into `slot`; the lender's slot gets the spare prompt instead."""
-    group = ctx.session.get(Group, lender.attempt_id)
-    assert group is not None
+    group = ctx.group(lender.attempt_id)
+    if group is None:
+        raise LookupError(f"run {ctx.run.id}: lender group {lender.attempt_id} is not in the ledger")
     if lender.step is not None and lender.idx is not None:
         source = ctx.slot(lender.step, lender.idx)
         source.status = SlotStatus.OPEN.value
@@ -263,7 +264,8 @@ def placement_candidates(ctx: RunContext, group: Group, own: Slot | None, limit:
     slots: dict[tuple[int, int], Slot] = {
         key: slot for key, slot in ctx.waiting().items() if key[0] < ceiling and key[0] <= bound_step
     }
-    if ctx.settings.sampler_name != "in_order":
+    if ctx.settings.sampler_name != "in_order" or own is None:
+        # An extra serves its step, not a slot: any open slot it may fill is a candidate.
         ctx.session.flush()
         slots.update(
             ((slot.step, slot.idx), slot)

@@ -228,6 +228,8 @@ class Step(Base):
     trainer_id: Mapped[str | None] = mapped_column(String(200))
     trainer_lease_until: Mapped[datetime | None]
     train_claims: Mapped[int] = mapped_column(Integer, default=0)
+    #: over-dispatched attempts sent for this step (bounded by async_rl.over_dispatch)
+    extras: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
     @property
     def target(self) -> int:

@@ -44,8 +44,10 @@ def run_facts(session: Session, run_id: int) -> RunFacts:
     ).all()
     filtered = session.scalar(select(func.count()).where(Attempt.run_id == run_id, Attempt.state == "filtered"))
     finished = session.scalar(select(func.count()).where(Attempt.run_id == run_id, Attempt.zero_variance.is_not(None)))
+    # A filtered slot's replacement is a spare prompt dispatched for it or a group borrowed
+    # into it; either way it spends the slot's dynamic-sampling budget.
     replacements = session.scalar(
-        select(func.count()).where(Attempt.run_id == run_id, Attempt.reason == "filter_replacement")
+        select(func.coalesce(func.sum(Slot.filter_replacements), 0)).where(Slot.run_id == run_id)
     )
     borrowed, lent = session.execute(
         select(func.coalesce(func.sum(Slot.borrowed_in), 0), func.coalesce(func.sum(Slot.lent_out), 0)).where(

@@ -94,18 +94,7 @@ def check_live_attempts(session: Session, run_id: int) -> list[str]:
         )
         if n:
             out.append(f"run is {run.status} but has {n} live attempts")
-    orphans = session.scalar(
-        select(func.count()).where(
-            Attempt.run_id == run_id,
-            Attempt.state.in_(LIVE),
-            Attempt.slot_idx.is_(None),
-            ~Attempt.step.in_(
-                select(Step.step).where(Step.run_id == run_id, Step.status == StepStatus.OPEN.value)
-            ),
-        )
-    )
-    if orphans:
-        out.append(f"{orphans} live extra attempts serve steps that are no longer open")
+    # Live extras may outlive their step: they are placed in a later step or parked.
     return out
 
 

@@ -1,0 +1,38 @@
+"""Several results in one transaction: a decision may use what an earlier result of the same
+batch did before anything is flushed (the consumer commits results in groups)."""
+
+from __future__ import annotations
+
+from refill.models.results import Outcome
+from tests.support.driver import FLAT, SPREAD, Driver
+
+
+def test_a_group_committed_earlier_in_the_batch_can_be_borrowed(ledger) -> None:  # type: ignore[no-untyped-def]
+    d = Driver(ledger)
+    d.admit()
+    later, earlier = d.live_of(1, 2), d.live_of(0, 0)
+    d.start(later.id)
+    d.start(earlier.id)
+    batch = d.record(d.result(later.id, SPREAD), d.result(earlier.id, FLAT))
+    assert [r.outcome for r in batch.outcomes] == [Outcome.COMMITTED, Outcome.FILTERED]
+    # The group committed for step 1 moved into step 0's filtered slot within the batch.
+    assert d.slot(0, 0).group_attempt_id == later.id
+    assert d.slot(1, 2).status == "open" and d.live_of(1, 2).reason == "respawn"
+    assert (d.step(0).committed, d.step(1).committed) == (1, 0)
+
+
+def test_a_batch_with_over_dispatch_places_extras_in_open_slots(ledger) -> None:  # type: ignore[no-untyped-def]
+    d = Driver(ledger, {"async_rl": {"over_dispatch": {"enabled": True, "safety_sigmas": 1.0}}})
+    d.admit()
+    extras = [a for a in d.live(0) if a.slot_idx is None]
+    assert extras and all(a.reason == "extra" for a in extras)
+    assert d.step(0).extras == len(extras)
+    first = extras[0]
+    d.start(first.id)
+    assert d.record(d.result(first.id, SPREAD)).outcomes[0].outcome is Outcome.COMMITTED
+    # The extra filled an open slot of its step; that slot's own attempt became an extra.
+    holder = [s for s in d.slots(0) if s.group_attempt_id == first.id]
+    assert len(holder) == 1 and d.step(0).committed == 1
+    live_extras = [a for a in d.live(0) if a.slot_idx is None]
+    assert len(live_extras) == len(extras)  # one finished, the displaced slot attempt joined
+    assert all(a.slot_idx is not None for a in d.live(0) if a.id not in {x.id for x in live_extras})
