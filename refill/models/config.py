@@ -155,7 +155,7 @@ class DataConfig(_Section):
 
 
 # Warm-start defaults live here so the trainer can tune them in one place.
-WARM_START_STEPS = 300
+WARM_START_STEPS = 400
 WARM_START_LR = 3e-3
 WARM_START_BATCH_SIZE = 64
 
@@ -167,6 +167,9 @@ class WarmStartConfig(_Section):
     batch_size: int = Field(WARM_START_BATCH_SIZE, ge=1)
     cache_dir: PathStr | None = None
     seed: int = 1234  # seeds the random init and the warm-start data; part of the cache key
+    # Share of warm-start answers taught with a stray "." before the end of sequence: the model
+    # then knows most answers but not the format, so GRPO has something to learn quickly.
+    format_noise: float = Field(0.6, ge=0, le=1)
 
 
 class ModelConfig(_Section):

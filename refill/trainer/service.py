@@ -24,7 +24,6 @@ from refill.models.training import (
     claim_training,
     extend_training_lease,
     finish_training,
-    newest_weights,
 )
 
 log = logging.getLogger(__name__)
@@ -93,11 +92,12 @@ class TrainerService:
                 trainer.checkpoint(batch.step + 1)
             else:
                 # Every slot of the step shrank at the end of the data: no optimizer step, but
-                # the version still advances so that step s always trains from version s.
+                # the version still advances (same weights, published and checkpointed like any
+                # other) so that step s always trains from version s and a restart finds it.
                 metrics = {"empty_step": 1.0}
-                previous = self.ledger.transaction(lambda s: newest_weights(s, batch.run_id))
-                path = previous[1] if previous else None
                 trainer.version = batch.step + 1
+                path = trainer.publish(batch.step + 1)
+                trainer.checkpoint(batch.step + 1)
         except BaseException:
             trainer.version = None  # state may be half-updated: restore before the next step
             raise
