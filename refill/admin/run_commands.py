@@ -174,6 +174,8 @@ def _drive(
     from refill.tasks.setup import create_run_from_config
 
     embedded = not broker_url or broker_url.startswith("memory://")
+    if embedded:
+        _one_torch_thread_per_role()
     with ExitStack() as stack:
         if embedded:
             if detach:
@@ -210,6 +212,18 @@ def _drive(
             fail(str(error), EXIT_INVALID)
         status = _follow(controller, quiet=quiet)
     _summary(ledger, run_id, status)
+
+
+def _one_torch_thread_per_role() -> None:
+    """In the embedded default the engine and the trainer share this process's cores: one
+    intra-op thread each keeps them from oversubscribing a small CPU (on 2 cores, two threads
+    each made the demo several times slower). REFILL_TORCH_THREADS overrides."""
+    threads = os.environ.get("REFILL_TORCH_THREADS", "1")
+    os.environ.setdefault("OMP_NUM_THREADS", threads)
+    import sys
+
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(threads))
 
 
 def _section(config: Any, name: str) -> dict[str, Any]:
