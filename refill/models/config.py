@@ -333,10 +333,11 @@ class InfraConfig(_Section):
     consumer_batch_size: int = Field(64, ge=1)
     consumer_batch_wait_ms: float = Field(20, ge=0)
     max_result_bytes: int = Field(64 * MiB, ge=1024)
+    # The controller's loop: relay the outbox every relay interval; admit, reap expired leases
+    # and check the run's end every reaper interval.
     relay_interval_seconds: float = Field(0.05, gt=0)
     reaper_interval_seconds: float = Field(1.0, gt=0)
     trainer_lease_seconds: float = Field(600, gt=0)
-    embedded_generate_workers: int = Field(1, ge=1)
 
 
 SECTIONS: dict[str, type[_Section]] = {

@@ -70,7 +70,7 @@ class Controller:
 
     def start(self, *, previous_controller: str | None = None, takeover_after_seconds: float = 30.0) -> None:
         """Take control of the run (resuming it if it was stopped or its controller died)."""
-        self.ledger.transaction(
+        run = self.ledger.transaction(
             lambda s: start_run(
                 s,
                 self.run_id,
@@ -80,6 +80,9 @@ class Controller:
             ),
             what="start run",
         )
+        infra = run.config.get("infra") or {}
+        self.relay_interval = float(infra.get("relay_interval_seconds") or self.relay_interval)
+        self.housekeeping_interval = float(infra.get("reaper_interval_seconds") or self.housekeeping_interval)
 
     def tick(self) -> str:
         """One pass of the loop; returns the run's status."""
