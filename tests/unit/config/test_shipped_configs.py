@@ -32,7 +32,7 @@ def test_arith_tiny_is_the_embedded_demo() -> None:
     assert (cfg.generation.backend, cfg.infra.trainer, cfg.data.builtin) == ("hf", "torch", "arith")
     assert cfg.model.warm_start.enabled
     assert cfg.infra.database_url is None and cfg.infra.broker_url is None
-    assert (cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt, cfg.grpo.max_num_steps) == (16, 8, 40)
+    assert (cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt, cfg.grpo.max_num_steps) == (32, 8, 40)
 
 
 def test_sim_fleet_uses_passwordless_urls() -> None:
