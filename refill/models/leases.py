@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 
 from refill.models.context import RunContext, utcnow
 from refill.models.settings import settings_for
-from refill.models.slots import RunFailed, infra_failure, queue_training
+from refill.models.slots import RunFailed, infra_failure, lost_in_queue, queue_training
 from refill.models.tables import Attempt, AttemptState, Outbox, OutboxKind, Run, RunStatus, Step, StepStatus
 
 
@@ -125,16 +125,20 @@ def expire_leases(session: Session, run_id: int, now: datetime | None = None) ->
     try:
         for attempt in expired:
             if attempt.state == AttemptState.QUEUED.value:
-                why = (
+                lost_in_queue(
+                    ctx,
+                    attempt,
                     f"lease expired at {attempt.leased_until:%H:%M:%S}: the message waited on the "
-                    "generate queue past generation.queue_timeout_seconds (lost or no worker took it)"
+                    "generate queue past generation.queue_timeout_seconds (lost, or no worker took "
+                    "it); sent again without spending a retry",
                 )
             else:
-                why = (
+                infra_failure(
+                    ctx,
+                    attempt,
                     f"lease expired at {attempt.leased_until:%H:%M:%S}: worker {attempt.worker} "
-                    "stopped heartbeating (crashed, lost, or its result was lost)"
+                    "stopped heartbeating (crashed, lost, or its result was lost)",
                 )
-            infra_failure(ctx, attempt, why)
             reaped.attempts += 1
     except RunFailed as failure:
         reaped.failed = str(failure)

@@ -447,6 +447,28 @@ def infra_failure(ctx: RunContext, attempt: Attempt, error: str) -> None:
     drop(ctx, slot, infra=True, last_error=error)
 
 
+def lost_in_queue(ctx: RunContext, attempt: Attempt, error: str) -> None:
+    """A dispatched attempt no worker ever took: its message was lost (a flushed or restarted
+    broker). That says nothing about the prompt, so the prompt is sent again without spending
+    its retries; a fleet with no worker at all keeps the run waiting rather than failing it."""
+    attempt.state = AttemptState.FAILED.value
+    attempt.failure_kind = FailureKind.INFRA.value
+    attempt.error = error[:4000]
+    attempt.finished_at = attempt.finished_at or ctx.now
+    slot = aimed_slot(ctx, attempt)
+    if slot is None:
+        return  # an extra: over-dispatch sends another if the step still needs it
+    dispatch(
+        ctx,
+        step=slot.step,
+        slot=slot,
+        prompt_id=attempt.prompt_id,
+        reason=AttemptReason.RETRY,
+        try_no=attempt.try_no,
+        origin=(attempt.origin_step, attempt.origin_slot),
+    )
+
+
 def data_failure(ctx: RunContext, attempt: Attempt, error: str) -> None:
     """The prompt's output is unusable; retrying the same prompt would fail the same way, so
     the prompt is dropped at once and the slot follows `on_dropped_prompt`."""

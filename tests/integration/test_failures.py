@@ -119,6 +119,9 @@ def test_message_lost_on_the_queue_expires_after_the_queue_timeout(ledger) -> No
     assert len(errors) == 1
     assert "waited on the generate queue past generation.queue_timeout_seconds" in errors.pop()
     assert [a.reason for a in d.live()] == ["retry"] * 8
+    # A lost message says nothing about its prompt: the retry does not spend one of its tries.
+    assert [a.try_no for a in d.live()] == [1] * 8
+    assert all(s.infra_failures == 0 for s in d.slots(0))
     # a pending attempt (never relayed) has no lease and is not reaped
     d.tick(10_000)
     assert d.reap().attempts == 0
