@@ -300,6 +300,17 @@ def check_budgets(ctx: Context) -> list[Violation]:
         seen = filtered_here.get((slot.step, slot.idx), 0)
         if seen != slot.filtered:
             flag(f"counts {slot.filtered} filtered groups, but {seen} filtered attempts served it")
+    # The run's budget of consecutive dropped prompts: the drop past it fails the run.
+    limit, drops = settings.max_consecutive_dropped_prompts, ctx.run.consecutive_dropped
+    fleet_failed = ctx.run.status == RunStatus.FAILED.value and ctx.run.end_reason == "fleet_failed"
+    if drops > limit and not fleet_failed:
+        out.append(
+            ctx.violation(
+                name,
+                f"{drops} consecutive dropped prompts, past rollout_failure.max_consecutive_dropped_prompts="
+                f"{limit}, but the run is {ctx.run.status} rather than failed with fleet_failed",
+            )
+        )
     return out
 
 
@@ -621,7 +632,7 @@ def check_counters(ctx: Context) -> list[Violation]:
 
 def check_group_placement(ctx: Context) -> list[Violation]:
     """A committed group is in exactly one place (a slot, or parked); groups belong to
-    committed attempts and committed attempts have groups."""
+    committed attempts and committed attempts have groups; only committed slots hold groups."""
     s, run_id, out = ctx.session, ctx.run.id, []
     placed = (
         select(Slot.group_attempt_id.label("g"), func.count().label("n"))
@@ -658,6 +669,25 @@ def check_group_placement(ctx: Context) -> list[Violation]:
     ).all():
         what = "is committed but has no group" if state == AttemptState.COMMITTED.value else f"is {state} but has a group"
         out.append(ctx.violation("group_placement", f"attempt {what}", step=step, slot=idx, attempt=attempt_id))
+    # Only a committed slot holds a group (an open or shrunk slot that does hides it from training).
+    for step, idx, status, group_id in s.execute(
+        select(Slot.step, Slot.idx, Slot.status, Slot.group_attempt_id)
+        .where(
+            Slot.run_id == run_id,
+            Slot.status != SlotStatus.COMMITTED.value,
+            Slot.group_attempt_id.is_not(None),
+        )
+        .order_by(Slot.step, Slot.idx)
+    ).all():
+        out.append(
+            ctx.violation(
+                "group_placement",
+                f"{status} slot holds group {group_id} (only a committed slot holds a group)",
+                step=step,
+                slot=idx,
+                attempt=group_id,
+            )
+        )
     return out
 
 
@@ -740,14 +770,14 @@ def check_spare_pool(ctx: Context) -> list[Violation]:
 
 CHECKS: tuple[Check, ...] = (
     Check("slot_committed_twice", "no slot committed twice: a group in one slot, trained in one step", check_committed_once),
-    Check("budget_exceeded", "per-slot filter and drop budgets never exceeded; counts agree with attempts", check_budgets),
+    Check("budget_exceeded", "per-slot filter and drop budgets and the run's consecutive-drop limit never exceeded; counts agree with attempts", check_budgets),
     Check("zero_variance_trained", "no zero-variance group trained under dynamic sampling; the filter fired only on zero-variance groups", check_zero_variance),
     Check("staleness_bound", "step - weight version <= max_lookahead_versions for every group and admission", check_staleness),
     Check("released_step_not_full", "each released step full: committed == num_slots - shrunk, no open slot", check_released_full),
     Check("weight_versions", "weight versions 0..v contiguous, one per trained step", check_weight_versions),
     Check("live_attempts", "an open slot of an open step has exactly one live attempt; settled slots none", check_live_attempts),
     Check("step_counters", "step counters (committed, shrunk, dropped) agree with their slots", check_counters),
-    Check("group_placement", "each committed group in one slot or parked; groups belong to committed attempts", check_group_placement),
+    Check("group_placement", "each committed group in one slot or parked, and only in a committed slot; groups belong to committed attempts", check_group_placement),
     Check("outbox", "pending attempts have an unsent message; released steps have metrics and a train_step message", check_messages),
     Check("spare_pool", "a taken spare prompt is run by the attempt that took it", check_spare_pool),
 )
