@@ -621,11 +621,7 @@ def test_the_helper_reports_what_refill_check_reports(d: Driver) -> None:
         assert invariants.ledger_violations(s, d.run_id, only=["step_counters"]) == [
             str(v) for v in product if v.check == "step_counters"
         ]
-        # The subsets tests/integration/test_concurrency.py checks after each round.
-        assert invariants.check_step_counters(s, d.run_id) == [
-            str(v) for v in product if v.check == "step_counters"
-        ]
-        assert invariants.check_live_attempts(s, d.run_id) == []
+        assert invariants.ledger_violations(s, d.run_id, only=["live_attempts"]) == []
         with pytest.raises(ValueError, match="no check named"):
             invariants.ledger_violations(s, d.run_id, only=["weight_version"])
 

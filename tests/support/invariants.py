@@ -15,7 +15,7 @@ session with nothing else writing the run) so that the checks see one state of i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 from sqlalchemy.orm import Session
 
@@ -39,27 +39,3 @@ def ledger_violations(
 def assert_ledger_consistent(session: Session, run_id: int) -> None:
     problems = ledger_violations(session, run_id)
     assert not problems, f"run {run_id} breaks the ledger's invariants:\n  " + "\n  ".join(problems)
-
-
-def checking(*names: str) -> Callable[[Session, int], list[str]]:
-    """`ledger_violations` limited to the named checks of `refill check`, as a function of
-    (session, run id)."""
-    unknown = [n for n in names if n not in NAMES]
-    if unknown or not names:
-        raise ValueError(f"no check named {unknown or names}; the checks are: {', '.join(NAMES)}")
-
-    def violations(session: Session, run_id: int) -> list[str]:
-        return ledger_violations(session, run_id, only=names)
-
-    violations.__name__ = f"checking({', '.join(names)})"
-    return violations
-
-
-# The subsets tests/integration/test_concurrency.py checks after each round of a race, under
-# the names it imports; each is a selection of `refill check`'s checks, not a check of its own.
-check_live_attempts = checking("live_attempts")
-check_step_counters = checking("step_counters")
-check_released_steps_full = checking("released_step_not_full")
-check_groups = checking("slot_committed_twice", "group_placement", "zero_variance_trained")
-check_staleness = checking("staleness_bound")
-check_budgets = checking("budget_exceeded")
