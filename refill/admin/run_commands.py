@@ -194,6 +194,7 @@ def _drive(
             ledger, app = runtime.ledger, runtime.app
         else:
             app = make_app(broker_url)
+            _check_broker(app, broker_url)
         if run_id is None:
             with err_console.status("preparing the run (data set, weight version 0)..."):
                 run_id = create_run_from_config(ledger, config)
@@ -212,6 +213,22 @@ def _drive(
             fail(str(error), EXIT_INVALID)
         status = _follow(controller, quiet=quiet)
     _summary(ledger, run_id, status)
+
+
+def _check_broker(app: Any, broker_url: str) -> None:
+    """Fail fast, before anything is written, when the broker cannot be reached (a wrong host
+    or password), rather than create the run and wait on it forever."""
+    from urllib.parse import urlsplit
+
+    try:
+        with app.connection_for_write() as connection:
+            connection.ensure_connection(max_retries=2, interval_start=0.2, interval_step=0.5)
+    except Exception as error:  # noqa: BLE001 - reported, with any secret removed
+        message = str(error).splitlines()[0] if str(error) else type(error).__name__
+        password = urlsplit(broker_url).password
+        if password:
+            message = message.replace(password, "***")
+        fail(f"cannot reach the broker at {redact_url(broker_url)}: {message}", EXIT_BAD_INPUT)
 
 
 def _one_torch_thread_per_role() -> None:

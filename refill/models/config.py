@@ -338,6 +338,9 @@ class InfraConfig(_Section):
     relay_interval_seconds: float = Field(0.05, gt=0)
     reaper_interval_seconds: float = Field(1.0, gt=0)
     trainer_lease_seconds: float = Field(600, gt=0)
+    # A step whose training fails (an exception, or a trainer that dies) this many times fails
+    # the run with the last error instead of being retried forever.
+    max_train_attempts: int = Field(3, ge=1)
 
 
 SECTIONS: dict[str, type[_Section]] = {

@@ -47,6 +47,7 @@ class LedgerSettings:
     lease_seconds: float
     queue_timeout_seconds: float
     trainer_lease_seconds: float
+    max_train_attempts: int
     vocab_size: int | None
     max_result_bytes: int
 
@@ -116,6 +117,7 @@ class LedgerSettings:
             lease_seconds=float(generation.get("lease_seconds", 120.0)),
             queue_timeout_seconds=float(generation.get("queue_timeout_seconds", 600.0)),
             trainer_lease_seconds=float(get("infra", "trainer_lease_seconds", 600.0)),
+            max_train_attempts=int(get("infra", "max_train_attempts", 3)),
             vocab_size=None if vocab is None else int(vocab),
             max_result_bytes=int(get("infra", "max_result_bytes", 64 * 1024 * 1024)),
         )

@@ -166,14 +166,14 @@ def maybe_release(ctx: RunContext, step: Step) -> bool:
     return True
 
 
-def queue_training(ctx: RunContext, step: int) -> None:
+def queue_training(ctx: RunContext, step: int, delay_seconds: float = 0.0) -> None:
     row = Outbox(
         run_id=ctx.run.id,
         kind=OutboxKind.TRAIN_STEP.value,
         step=step,
         payload={"run_id": ctx.run.id, "step": step},
         created_at=ctx.now,
-        available_at=ctx.now,
+        available_at=ctx.later(delay_seconds),
     )
     ctx.session.add(row)
     ctx.outbox.append(row)
@@ -210,18 +210,30 @@ def lender_candidates(ctx: RunContext, step: int, limit: int = 128) -> list[Grou
     floor = step - ctx.settings.max_lookahead_versions
     found: list[GroupView] = []
     seen: set[int] = set()
-    for view in ctx.lendable():
-        if view.attempt_id in seen or view.weight_version < floor:
-            continue
-        if view.step is None:
-            if view.weight_version > step:
+    parked, committed, added = ctx.lendable_parts()
+
+    def take(views: list[GroupView], most: int | None = None) -> None:
+        taken = 0
+        for view in views:
+            if most is not None and taken >= most:
+                return
+            if view.attempt_id in seen or view.weight_version < floor:
                 continue
-        elif view.step <= step:
-            continue
-        if not ctx.still_lendable(view):
-            continue
-        seen.add(view.attempt_id)
-        found.append(view)
+            if view.step is None:
+                if view.weight_version > step:
+                    continue
+            elif view.step <= step:
+                continue
+            if not ctx.still_lendable(view):
+                continue
+            seen.add(view.attempt_id)
+            found.append(view)
+            taken += 1
+
+    take(parked)
+    take(added)
+    # Already in the final order: past the first `limit` usable ones, none can make the cut.
+    take(committed, limit)
     # Parked groups first, then the latest steps: the order the cache was built in, with the
     # groups committed during this transaction sorted in.
     found.sort(key=lambda v: (v.step is not None, -(v.step or 0), -v.attempt_id))
@@ -261,32 +273,17 @@ def placement_candidates(ctx: RunContext, group: Group, own: Slot | None, limit:
     slots waiting on a replacement for `in_order`, any open slot for the other samplers."""
     bound_step = group.weight_version + ctx.settings.max_lookahead_versions
     ceiling = own.step if own is not None else bound_step + 1
-    slots: dict[tuple[int, int], Slot] = {
-        key: slot for key, slot in ctx.waiting().items() if key[0] < ceiling and key[0] <= bound_step
-    }
+    max_step = min(ceiling - 1, bound_step)
+    slots: dict[tuple[int, int], Slot] = {(slot.step, slot.idx): slot for slot in ctx.waiting_up_to(max_step)}
     if ctx.settings.sampler_name != "in_order" or own is None:
         # An extra serves its step, not a slot: any open slot it may fill is a candidate.
-        ctx.session.flush()
-        slots.update(
-            ((slot.step, slot.idx), slot)
-            for slot in ctx.session.scalars(
-                select(Slot)
-                .join(Step, (Step.run_id == Slot.run_id) & (Step.step == Slot.step))
-                .where(
-                    Slot.run_id == ctx.run.id,
-                    Slot.status == SlotStatus.OPEN.value,
-                    Step.status == StepStatus.OPEN.value,
-                    Slot.step < ceiling,
-                    Slot.step <= bound_step,
-                )
-                .order_by(Slot.step, Slot.needs_replacement.desc(), Slot.idx)
-                .limit(limit)
-            )
-        )
+        slots.update(((slot.step, slot.idx), slot) for slot in ctx.open_slots(max_step, limit))
+    open_value = SlotStatus.OPEN.value
+    open_steps = {step: ctx.step_open(step) for step, _ in slots}
     views = [
         SlotView(slot.step, slot.idx, bool(slot.needs_replacement))
         for slot in slots.values()
-        if slot.status == SlotStatus.OPEN.value and ctx.step_open(slot.step)
+        if slot.status == open_value and open_steps[slot.step]
     ]
     views.sort(key=lambda v: (v.step, not v.needs_replacement, v.idx))
     return views[:limit]
@@ -294,21 +291,30 @@ def placement_candidates(ctx: RunContext, group: Group, own: Slot | None, limit:
 
 def _persisted_live_update(ctx: RunContext, slot: Slot, values: dict, *, extra_condition=None) -> int | None:  # type: ignore[no-untyped-def]
     """Update the stored live attempt serving `slot` (conditionally); its id, or None."""
+    # An attempt aimed at the slot that finished in this transaction is still live in the
+    # database: leave it out. One changed otherwise must be written first (it is expired below).
+    finished_here = []
     for obj in ctx.session.dirty:
         if isinstance(obj, Attempt) and (obj.step, obj.slot_idx) == (slot.step, slot.idx):
-            ctx.session.flush()
-            break
-    query = update(Attempt).where(
-        Attempt.run_id == ctx.run.id,
-        Attempt.step == slot.step,
-        Attempt.slot_idx == slot.idx,
-        Attempt.state.in_(LIVE),
+            if obj.state in LIVE:
+                ctx.session.flush()
+                finished_here = []
+                break
+            finished_here.append(obj.id)
+    # A Core statement on the table: the ORM's bulk-update machinery costs more than the
+    # statement itself, and the session is told below what changed.
+    table = Attempt.__table__
+    query = update(table).where(
+        table.c.run_id == ctx.run.id,
+        table.c.step == slot.step,
+        table.c.slot_idx == slot.idx,
+        table.c.state.in_(LIVE),
     )
+    if finished_here:
+        query = query.where(table.c.id.not_in(finished_here))
     if extra_condition is not None:
         query = query.where(extra_condition)
-    moved = ctx.session.execute(
-        query.values(**values).returning(Attempt.id).execution_options(synchronize_session=False)
-    ).scalars().all()
+    moved = ctx.session.execute(query.values(**values).returning(table.c.id)).scalars().all()
     for attempt_id in moved:
         # An object already loaded must not keep (and later write back) the old aim.
         obj = ctx.session.identity_map.get(identity_key(Attempt, attempt_id))
@@ -391,8 +397,8 @@ def place(ctx: RunContext, group: Group, own: Slot | None) -> Slot | None:
             if not reaim(ctx, target, own):
                 candidates = [c for c in candidates if c != choice]
                 continue
-        elif has_live_attempt(ctx, target):
-            # An extra fills a slot whose own attempt then becomes an extra of that step.
+        else:
+            # An extra fills a slot whose own attempt (if any) then becomes an extra of that step.
             release_to_extra(ctx, target)
         fill(ctx, target, group, moved=own is not None)
         return target

@@ -21,7 +21,7 @@ from refill.models.context import RunContext
 from refill.models.metrics import seconds_between
 from refill.models.payload import Completion, TrainGroup
 from refill.models.runs import check_completion
-from refill.models.slots import queue_training
+from refill.models.slots import RunFailed, fail_run, queue_training
 from refill.models.tables import (
     Group,
     Slot,
@@ -67,6 +67,18 @@ def claim_training(
         return None
     if ctx.run.weight_version != step:
         return None
+    if row.train_claims >= ctx.settings.max_train_attempts:
+        # Claimed that often and never finished: its trainers keep dying on it.
+        try:
+            fail_run(
+                ctx,
+                f"step {step} was claimed by a trainer {row.train_claims} times without finishing "
+                f"(infra.max_train_attempts={ctx.settings.max_train_attempts}): trainers crash or "
+                "lose their lease on it. See the trainer workers' logs.",
+                "trainer_failed",
+            )
+        except RunFailed:
+            return None
     row.status = StepStatus.TRAINING.value
     row.trainer_id = trainer_id[:200]
     row.trainer_lease_until = ctx.now + timedelta(seconds=ctx.settings.trainer_lease_seconds)
@@ -104,6 +116,33 @@ def claim_training(
             )
         )
     return TrainBatch(run_id, step, ctx.run.weight_version, groups, ctx.run.config, ctx.run.run_dir)
+
+
+def training_failed(
+    session: Session, run_id: int, step: int, trainer_id: str, error: str, now: datetime | None = None
+) -> list[int]:
+    """A trainer's update raised: give the step back (sent again after a short back-off), or
+    fail the run with the error once it has had `infra.max_train_attempts` tries."""
+    ctx = RunContext.open(session, run_id, now)
+    row = session.get(Step, (run_id, step))
+    if row is None or row.status != StepStatus.TRAINING.value or row.trainer_id != trainer_id[:200]:
+        return []
+    row.status = StepStatus.RELEASED.value
+    row.trainer_id = None
+    row.trainer_lease_until = None
+    if row.train_claims >= ctx.settings.max_train_attempts:
+        try:
+            fail_run(
+                ctx,
+                f"training step {step} failed {row.train_claims} times "
+                f"(infra.max_train_attempts={ctx.settings.max_train_attempts}); last error: {error}",
+                "trainer_failed",
+            )
+        except RunFailed:
+            return []
+    queue_training(ctx, step, delay_seconds=min(60.0, 5.0 * row.train_claims))
+    session.flush()
+    return ctx.outbox_ids
 
 
 def extend_training_lease(session: Session, run_id: int, step: int, trainer_id: str, seconds: float, now: datetime) -> bool:

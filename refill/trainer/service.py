@@ -24,6 +24,7 @@ from refill.models.training import (
     claim_training,
     extend_training_lease,
     finish_training,
+    training_failed,
 )
 
 log = logging.getLogger(__name__)
@@ -78,14 +79,14 @@ class TrainerService:
         trainer = self._trainers.get(batch.run_id)
         if trainer is None:
             trainer = self._trainers[batch.run_id] = self.trainer_factory(config, batch.run_dir)
-        if trainer.version != batch.weight_version:
-            # A fresh process, or a step this process lost: continue from the checkpoint of
-            # exactly the version this step trains from.
-            log.info("restoring trainer of run %s to version %s", batch.run_id, batch.weight_version)
-            trainer.restore(batch.weight_version)
         keeper = _TrainingLease(self.ledger, batch, self.trainer_id, config.infra.trainer_lease_seconds)
         started = time.perf_counter()
         try:
+            if trainer.version != batch.weight_version:
+                # A fresh process, or a step this process lost: continue from the checkpoint of
+                # exactly the version this step trains from.
+                log.info("restoring trainer of run %s to version %s", batch.run_id, batch.weight_version)
+                trainer.restore(batch.weight_version)
             if batch.groups:
                 metrics = trainer.train_step(batch.step, batch.groups)
                 path = trainer.publish(batch.step + 1)
@@ -98,8 +99,20 @@ class TrainerService:
                 trainer.version = batch.step + 1
                 path = trainer.publish(batch.step + 1)
                 trainer.checkpoint(batch.step + 1)
-        except BaseException:
+        except Exception as error:
             trainer.version = None  # state may be half-updated: restore before the next step
+            keeper.stop()  # before the ledger write below, which the beat would race
+            log.exception("training step %s of run %s failed", batch.step, batch.run_id)
+            outbox = self.ledger.transaction(
+                lambda s: training_failed(
+                    s, batch.run_id, batch.step, self.trainer_id, f"{type(error).__name__}: {error}"
+                ),
+                what="record training failure",
+            )
+            self._relay(outbox)
+            return "failed"
+        except BaseException:
+            trainer.version = None
             raise
         finally:
             keeper.stop()
@@ -117,12 +130,15 @@ class TrainerService:
             )
             trainer.version = None
             return "lost"
+        self._relay(outbox)
+        return "trained"
+
+    def _relay(self, outbox: list[int]) -> None:
         if outbox and self.after_commit is not None:
             try:
                 self.after_commit(outbox)
             except Exception as error:  # noqa: BLE001 - the controller's relay sends it later
-                log.warning("immediate relay of the next step failed: %r", error)
-        return "trained"
+                log.warning("immediate relay after training failed: %r", error)
 
     def close(self) -> None:
         self._trainers.clear()

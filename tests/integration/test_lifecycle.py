@@ -203,3 +203,22 @@ def test_a_controller_hands_over_to_its_next_slice(ledger) -> None:  # type: ign
         ledger.transaction(
             lambda s: start_run(s, d.run_id, "controller-3", previous_controller="controller-1", now=d.now)
         )
+
+
+def test_a_failing_training_step_is_retried_then_fails_the_run(ledger) -> None:  # type: ignore[no-untyped-def]
+    from refill.models.training import claim_training, training_failed
+
+    d = Driver(ledger, {"infra": {"max_train_attempts": 2}})
+    d.admit()
+    d.fill_step(0)
+    batch = d.ledger.transaction(lambda s: claim_training(s, d.run_id, 0, "t1", d.now))
+    assert batch is not None
+    queued = d.ledger.transaction(lambda s: training_failed(s, d.run_id, 0, "t1", "OOM", d.now))
+    assert queued and d.step(0).status == "released" and d.run().status == "running"
+    # The second failure is the last allowed: the run fails with the error, naming the knob.
+    assert d.ledger.transaction(lambda s: claim_training(s, d.run_id, 0, "t1", d.now)) is not None
+    assert d.ledger.transaction(lambda s: training_failed(s, d.run_id, 0, "t1", "OOM again", d.now)) == []
+    run = d.run()
+    assert (run.status, run.end_reason) == ("failed", "trainer_failed")
+    assert "training step 0 failed 2 times" in run.error and "OOM again" in run.error
+    assert "infra.max_train_attempts=2" in run.error
