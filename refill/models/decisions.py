@@ -79,6 +79,15 @@ def exhaustion_probability(p: float, budget: int, num_prompts_per_step: int, max
     return -math.expm1(slots * math.log1p(-per_slot)) if per_slot < 1 else 1.0
 
 
+def safe_budget(p: float, num_prompts_per_step: int, max_num_steps: int, risk: float = 0.01) -> int | None:
+    """The smallest per-slot budget whose exhaustion probability over the run is at most `risk`
+    (None when even 1024 replacements per slot would not do)."""
+    for budget in range(1, 1025):
+        if exhaustion_probability(p, budget, num_prompts_per_step, max_num_steps) <= risk:
+            return budget
+    return None
+
+
 def budget_exhausted_message(
     *, step: int, slot: int, budget: int, p: float, num_prompts_per_step: int, max_num_steps: int
 ) -> str:

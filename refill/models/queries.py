@@ -644,14 +644,7 @@ def budget_report(
         risk = decisions.exhaustion_probability(p, budget, n_slots, settings.max_num_steps)
         expected = decisions.expected_exhausted_slots(p, budget, n_slots, settings.max_num_steps)
         if p < 1:
-            suggested = next(
-                (
-                    b
-                    for b in range(1, 1025)
-                    if decisions.exhaustion_probability(p, b, n_slots, settings.max_num_steps) <= 0.01
-                ),
-                None,
-            )
+            suggested = decisions.safe_budget(p, n_slots, settings.max_num_steps)
     stored = session.execute(
         select(StepMetrics.step, StepMetrics.budget_exhaustion_risk)
         .where(StepMetrics.run_id == run_id, StepMetrics.budget_exhaustion_risk.is_not(None))
@@ -861,3 +854,41 @@ def queue_counts(session: Session, *, run_id: int | None = None) -> dict[str, in
         where.append(Attempt.run_id.in_(select(Run.id).where(Run.status == RunStatus.RUNNING.value)))
     counts = _count_by(session, Attempt.state, *where)
     return {state: counts.get(state, 0) for state in (AttemptState.PENDING.value, AttemptState.QUEUED.value)}
+
+
+@dataclass(frozen=True)
+class BudgetRisk:
+    step: int
+    p: float
+    budget: int
+    probability: float
+    expected_exhausted: float
+    safe_budget: int | None
+
+
+def budget_risk(session: Session, run_id: int) -> BudgetRisk | None:
+    """The dynamic-sampling budget risk as of the latest released step (None before one)."""
+    from refill.models import decisions
+    from refill.models.settings import LedgerSettings
+
+    latest = session.execute(
+        select(StepMetrics.step, StepMetrics.budget_exhaustion_risk)
+        .where(StepMetrics.run_id == run_id, StepMetrics.budget_exhaustion_risk.is_not(None))
+        .order_by(StepMetrics.step.desc())
+        .limit(1)
+    ).first()
+    if latest is None:
+        return None
+    run = get_run(session, run_id)
+    settings = LedgerSettings.from_config(run.config)
+    zero, total = measured_zero_variance(session, run_id)
+    p = zero / total if total else 0.0
+    n, steps = settings.num_prompts_per_step, settings.max_num_steps
+    return BudgetRisk(
+        step=int(latest[0]),
+        p=p,
+        budget=settings.filter_budget,
+        probability=float(latest[1]),
+        expected_exhausted=decisions.expected_exhausted_slots(p, settings.filter_budget, n, steps),
+        safe_budget=decisions.safe_budget(p, n, steps) if p < 1 else None,
+    )

@@ -41,6 +41,8 @@ from refill.tasks.relay import relay
 log = logging.getLogger(__name__)
 
 SLICE_SECONDS = 60.0
+#: warn when a run's chance of failing on its dynamic-sampling budget reaches this
+BUDGET_RISK_WARNING = 0.01
 
 
 def new_controller_id(prefix: str = "controller") -> str:
@@ -66,6 +68,7 @@ class Controller:
         self.housekeeping_interval = housekeeping_interval
         self._last_housekeeping = 0.0
         self._broker_down_since: float | None = None
+        self._risk_warned_step: int | None = None
         self._broker_warned = 0.0
 
     def start(self, *, previous_controller: str | None = None, takeover_after_seconds: float = 30.0) -> None:
@@ -129,7 +132,29 @@ class Controller:
                 reaped.attempts,
                 reaped.train_steps,
             )
+        self._warn_budget_risk()
         return self.ledger.transaction(lambda s: check_run(s, self.run_id), what="check run")
+
+    def _warn_budget_risk(self) -> None:
+        """Say so while the run is healthy if its dynamic-sampling budget is likely to run out
+        (the reference only found out when a slot exhausted it)."""
+        from refill.models.queries import budget_risk
+
+        risk = self.ledger.transaction(lambda s: budget_risk(s, self.run_id), what="read budget risk")
+        if risk is None or risk.probability < BUDGET_RISK_WARNING or risk.step == self._risk_warned_step:
+            return
+        self._risk_warned_step = risk.step
+        log.warning(
+            "run %s: at the measured zero-variance fraction p=%.3f, some slot exhausts "
+            "grpo.dynamic_sampling_max_replacements_per_slot=%d before the run ends with "
+            "probability %.1f%% (expected exhausted slots %.3g); raise it to %d to bring that under 1%%",
+            self.run_id,
+            risk.p,
+            risk.budget,
+            100 * risk.probability,
+            risk.expected_exhausted,
+            risk.safe_budget,
+        )
 
     def progress(self) -> RunProgress:
         return self.ledger.transaction(lambda s: run_progress(s, self.run_id), what="read progress")

@@ -405,3 +405,13 @@ def test_extra_attempts_nothing_needed() -> None:
 
 def test_extra_attempts_at_p_one_is_capped() -> None:
     assert d.extra_attempts(1, 0, 1.0, 2.0, cap=7) == 7
+
+
+def test_safe_budget_is_the_smallest_budget_under_the_risk() -> None:
+    b = d.safe_budget(0.5, 8, 100)
+    assert b is not None
+    assert d.exhaustion_probability(0.5, b, 8, 100) <= 0.01
+    assert d.exhaustion_probability(0.5, b - 1, 8, 100) > 0.01
+    # 0.5**(b+1) * 800 <= ~0.01 needs b around 16
+    assert 15 <= b <= 17
+    assert d.safe_budget(0.999999, 4096, 1000) is None
