@@ -14,12 +14,14 @@ entry is skipped rather than trusted.
 
 from __future__ import annotations
 
+from bisect import bisect_left, insort
 from collections import deque
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import func, select
+from sqlalchemy import bindparam, event, func, inspect, select, tuple_, update
 from sqlalchemy.orm import Session
+from sqlalchemy.orm.attributes import flag_modified, set_committed_value
 from sqlalchemy.orm.util import identity_key
 
 from refill.models.db import lock_run
@@ -27,6 +29,8 @@ from refill.models.samplers import GroupView, Sampler
 from refill.models.settings import LedgerSettings, settings_for
 from refill.models.tables import (
     Attempt,
+    AttemptReason,
+    AttemptState,
     Group,
     Outbox,
     Run,
@@ -40,6 +44,63 @@ from refill.models.tables import (
 
 #: Rows loaded per query by the caches (the spare pool, lenders, waiting slots).
 CHUNK = 512
+#: Spare prompts loaded per query: a batch of results takes a few dozen.
+SPARE_CHUNK = 128
+#: Open slots loaded per query for placements that may take any open slot: a batch settles
+#: a few of them; more are loaded when they run out.
+OPEN_CHUNK = 128
+
+# Enum members' .value is a property call; the hot loops compare against plain strings.
+_SLOT_OPEN = SlotStatus.OPEN.value
+_SLOT_COMMITTED = SlotStatus.COMMITTED.value
+_STEP_OPEN = StepStatus.OPEN.value
+_LIVE = tuple(s.value for s in AttemptState.live())
+_EXTRA = AttemptReason.EXTRA.value
+
+
+#: Columns a flush writes for every changed row of these tables, whichever changed: the ORM
+#: groups the rows of an UPDATE by the set of columns that changed, one statement (one round
+#: trip) per group, so a batch whose rows changed in a dozen different ways cost a dozen round
+#: trips per table. Only columns that no transaction without the run's lock writes are listed
+#: (a worker's lease handshake and heartbeats write other columns of an attempt).
+_UNIFORM_COLUMNS: dict[type, tuple[str, ...]] = {
+    Slot: (
+        "status", "group_attempt_id", "shrink_reason", "needs_replacement", "filtered",
+        "filter_replacements", "infra_failures", "data_failures", "drops", "drop_replacements",
+        "borrowed_in", "lent_out", "attempts", "settled_at",
+    ),
+    Attempt: (
+        "state", "failure_kind", "error", "finished_at", "weight_version", "generation_seconds",
+        "rewards", "reward_mean", "reward_min", "reward_max", "zero_variance", "num_tokens",
+    ),
+}
+
+
+def _before_flush(session: Session, flush_context, instances) -> None:  # type: ignore[no-untyped-def]
+    for ctx in session.info.get("refill_contexts", ()):
+        ctx.apply_releases()
+    for obj in session.dirty:
+        columns = _UNIFORM_COLUMNS.get(type(obj))
+        if columns is None:
+            continue
+        state = inspect(obj)
+        if not state.modified:
+            continue
+        loaded = state.dict
+        for name in columns:
+            if name in loaded:
+                flag_modified(obj, name)
+
+
+def literal_in(column, values):  # type: ignore[no-untyped-def]
+    """`column IN (...)` with the values (integers, or tuples of them) written into the SQL
+    rather than bound one parameter each: psycopg parses a statement with more than 50
+    parameters again on every execution (no cache), which costs more than the query."""
+    return column.in_(bindparam(None, list(values), expanding=True, literal_execute=True))
+
+
+def _slot_index(slot: Slot) -> int:
+    return slot.idx
 
 
 def utcnow() -> datetime:
@@ -58,12 +119,25 @@ class RunContext:
     #: transaction can see them yet, so they can be re-aimed in memory.
     new_live: dict[tuple[int, int], Attempt] = field(default_factory=dict)
     _spare_count: int | None = None
+    _pending_releases: list[tuple[int, int]] = field(default_factory=list)
     _spares_db: deque[SparePrompt] | None = None
     _spares_db_done: bool = False
     _spares_last_id: int = 0
     _spares_new: deque[SparePrompt] = field(default_factory=deque)
-    _lendable: list[GroupView] | None = None
+    #: lendable groups: parked ones, committed ones in (step desc, attempt desc) order as
+    #: loaded, and those added during the transaction
+    _lendable_parked: list[GroupView] | None = None
+    _lendable_committed: list[GroupView] = field(default_factory=list)
+    _lendable_added: list[GroupView] = field(default_factory=list)
     _waiting: dict[tuple[int, int], Slot] | None = None
+    #: the same slots by step, each step's sorted by index, for placements that look only at
+    #: the first few of the earlier steps
+    _waiting_by_step: dict[int, list[Slot]] = field(default_factory=dict)
+    #: a prefix (in placement order) of the open slots of open steps, and whether more exist
+    _open_slots: list[Slot] | None = None
+    _open_slots_truncated: bool = False
+    #: Step rows by number, as step_open found them
+    _steps: dict[int, Step] = field(default_factory=dict)
     #: groups committed in this transaction (not flushed yet, so not found by session.get)
     new_groups: dict[int, Group] = field(default_factory=dict)
     #: strong references to rows loaded in bulk: the session's identity map holds objects
@@ -80,9 +154,54 @@ class RunContext:
         # nowhere else: autoflush before every query would write each result's rows one at
         # a time instead of once per batch.
         session.autoflush = False
+        if "refill_contexts" not in session.info:
+            session.info["refill_contexts"] = []
+            event.listen(session, "before_flush", _before_flush)
         run = lock_run(session, run_id)
         settings = settings_for(run)
-        return cls(session, run, settings, settings.sampler(), now or utcnow())
+        ctx = cls(session, run, settings, settings.sampler(), now or utcnow())
+        session.info["refill_contexts"].append(ctx)
+        return ctx
+
+    # --- stored attempts handed over to their step ------------------------------------------
+
+    def release_later(self, slot: Slot) -> None:
+        """The stored live attempt serving `slot` becomes an extra of its step (slot_idx NULL,
+        reason 'extra'), written with the batch's other changes: one statement for all the
+        slots a batch fills with extras, at the next flush, instead of one per slot.
+
+        Until then nothing looks at it: the slot is settled (an extra filled it), and every
+        query that reads live attempts flushes first. An attempt that was aimed at the slot
+        and finishes in this transaction meanwhile is handed over in memory instead, as it
+        would have been read back after an immediate update.
+        """
+        self._pending_releases.append((slot.step, slot.idx))
+
+    def apply_releases(self) -> None:
+        if not self._pending_releases:
+            return
+        keys, self._pending_releases = set(self._pending_releases), []
+        finished_here = []
+        for obj in list(self.session.identity_map.values()):
+            if isinstance(obj, Attempt) and (obj.step, obj.slot_idx) in keys and obj.state not in _LIVE:
+                # Still live in the database; its own changes are written by this flush.
+                finished_here.append(obj.id)
+                obj.slot_idx = None
+                obj.reason = _EXTRA
+        table = Attempt.__table__
+        query = update(table).where(
+            table.c.run_id == self.run.id,
+            literal_in(tuple_(table.c.step, table.c.slot_idx), keys),
+            table.c.state.in_(_LIVE),
+        )
+        if finished_here:
+            query = query.where(table.c.id.not_in(finished_here))
+        moved = self.session.execute(query.values(slot_idx=None, reason=_EXTRA).returning(table.c.id)).scalars()
+        for attempt_id in moved:
+            obj = self.session.identity_map.get(identity_key(Attempt, attempt_id))
+            if obj is not None:
+                set_committed_value(obj, "slot_idx", None)
+                set_committed_value(obj, "reason", _EXTRA)
 
     @property
     def running(self) -> bool:
@@ -104,17 +223,31 @@ class RunContext:
         return row
 
     def group(self, attempt_id: int) -> Group | None:
-        return self.new_groups.get(attempt_id) or self.session.get(Group, attempt_id)
+        found = self.new_groups.get(attempt_id)
+        if found is None:
+            found = self.session.get(Group, attempt_id)
+            if found is not None:
+                # Kept in the session for the transaction: `still_lendable` reads a moved
+                # group's state from it.
+                self.pinned.append(found)
+        return found
 
     def step_open(self, step: int) -> bool:
-        # Unfinished steps are preloaded (and pinned) by the operations that need this; a step
-        # not in the session is trained or does not exist.
-        row = self.session.identity_map.get(identity_key(Step, (self.run.id, step)))
+        # Called for every candidate slot of every placement: the row is looked up once per
+        # transaction and its (in-memory) status read each time.
+        row = self._steps.get(step)
         if row is None:
-            row = self.session.get(Step, (self.run.id, step))
-            if row is not None:
-                self.pinned.append(row)
-        return row is not None and row.status == StepStatus.OPEN.value
+            # Unfinished steps are preloaded (and pinned) by the operations that need this; a
+            # step not in the session is trained or does not exist.
+            row = self.session.identity_map.get(identity_key(Step, (self.run.id, step)))
+            if row is None:
+                row = self.session.get(Step, (self.run.id, step))
+                if row is not None:
+                    self.pinned.append(row)
+            if row is None:
+                return False
+            self._steps[step] = row
+        return row.status == _STEP_OPEN
 
     @property
     def outbox_ids(self) -> list[int]:
@@ -144,28 +277,36 @@ class RunContext:
         while not self._spares_db_done:
             if self._spares_db:
                 return self._spares_db.popleft()
-            self.session.flush()
-            fresh = {id(s) for s in self._spares_new}
-            rows = list(
-                self.session.scalars(
-                    select(SparePrompt)
-                    .where(
-                        SparePrompt.run_id == self.run.id,
-                        SparePrompt.taken_at.is_(None),
-                        SparePrompt.id > self._spares_last_id,
-                    )
-                    .order_by(SparePrompt.id)
-                    .limit(CHUNK)
-                )
-            )
-            self._spares_db = deque(r for r in rows if r.taken_at is None and id(r) not in fresh)
-            if rows:
-                self._spares_last_id = rows[-1].id
-            if len(rows) < CHUNK:
-                self._spares_db_done = not self._spares_db
+            self._load_spares()
         if self._spares_new:
             return self._spares_new.popleft()
         return None
+
+    def warm_spares(self) -> None:
+        """Load the first stored spares now (see results._warm_caches)."""
+        if self._spares_db is None and not self._spares_db_done:
+            self._load_spares()
+
+    def _load_spares(self) -> None:
+        self.session.flush()
+        fresh = {id(s) for s in self._spares_new}
+        rows = list(
+            self.session.scalars(
+                select(SparePrompt)
+                .where(
+                    SparePrompt.run_id == self.run.id,
+                    SparePrompt.taken_at.is_(None),
+                    SparePrompt.id > self._spares_last_id,
+                )
+                .order_by(SparePrompt.id)
+                .limit(SPARE_CHUNK)
+            )
+        )
+        self._spares_db = deque(r for r in rows if r.taken_at is None and id(r) not in fresh)
+        if rows:
+            self._spares_last_id = rows[-1].id
+        if len(rows) < SPARE_CHUNK:
+            self._spares_db_done = not self._spares_db
 
     def spare_taken(self) -> None:
         self._spare_count = max(0, self.spare_count - 1)
@@ -174,45 +315,68 @@ class RunContext:
 
     def lendable(self) -> list[GroupView]:
         """Groups committed in open steps, latest steps first, and parked groups."""
-        if self._lendable is None:
+        parked, committed, added = self.lendable_parts()
+        return parked + committed + added
+
+    def lendable_parts(self) -> tuple[list[GroupView], list[GroupView], list[GroupView]]:
+        """The lendable groups in three lists: parked (as loaded), committed in open steps
+        (latest step first, then latest attempt: the order lenders are preferred in), and those
+        committed or parked during this transaction (in no order).
+
+        Groups of the earliest open step are left out: only an earlier step may borrow, and
+        none is open.
+        """
+        if self._lendable_parked is None:
             self.session.flush()
+            earliest_open = (
+                select(func.min(Step.step))
+                .where(Step.run_id == self.run.id, Step.status == _STEP_OPEN)
+                .scalar_subquery()
+            )
             rows = self.session.execute(
                 select(Slot, Group.weight_version)
                 .join(Group, Group.attempt_id == Slot.group_attempt_id)
                 .join(Step, (Step.run_id == Slot.run_id) & (Step.step == Slot.step))
                 .where(
                     Slot.run_id == self.run.id,
-                    Slot.status == SlotStatus.COMMITTED.value,
-                    Step.status == StepStatus.OPEN.value,
+                    Slot.status == _SLOT_COMMITTED,
+                    Step.status == _STEP_OPEN,
+                    Slot.step > earliest_open,
                 )
                 .order_by(Slot.step.desc(), Slot.group_attempt_id.desc())
                 .limit(CHUNK)
             ).all()
-            parked = self.session.scalars(
-                select(Group)
+            # Two columns, not the groups: a group's payload is large and only the one a
+            # slot borrows is loaded (by `group`, when it moves).
+            parked = self.session.execute(
+                select(Group.attempt_id, Group.weight_version)
                 .where(Group.run_id == self.run.id, Group.parked.is_(True))
                 .order_by(Group.weight_version, Group.attempt_id)
                 .limit(CHUNK)
             ).all()
             self.pin([slot for slot, _ in rows])
-            self.pin(list(parked))
-            self._lendable = [GroupView(g.attempt_id, g.weight_version, None, None) for g in parked] + [
+            self._lendable_parked = [GroupView(g.attempt_id, g.weight_version, None, None) for g in parked]
+            self._lendable_committed = [
                 GroupView(slot.group_attempt_id, version, slot.step, slot.idx) for slot, version in rows
             ]
-        return self._lendable
+        return self._lendable_parked, self._lendable_committed, self._lendable_added
 
     def lendable_added(self, view: GroupView) -> None:
-        if self._lendable is not None:
-            self._lendable.append(view)
+        if self._lendable_parked is not None:
+            self._lendable_added.append(view)
 
     def still_lendable(self, view: GroupView) -> bool:
         if view.step is None:
-            group = self.group(view.attempt_id)
-            return group is not None and group.parked
+            # Parked when the cache was loaded (or parked since, then in memory); only this
+            # transaction can have moved it, through the object in the session.
+            group = self.new_groups.get(view.attempt_id) or self.session.identity_map.get(
+                identity_key(Group, view.attempt_id)
+            )
+            return group is None or bool(group.parked)
         slot = self.session.get(Slot, (self.run.id, view.step, view.idx))
         return (
             slot is not None
-            and slot.status == SlotStatus.COMMITTED.value
+            and slot.status == _SLOT_COMMITTED
             and slot.group_attempt_id == view.attempt_id
             and self.step_open(view.step)
         )
@@ -235,13 +399,81 @@ class RunContext:
                 .order_by(Slot.step, Slot.idx)
                 .limit(CHUNK)
             ).all()
-            self._waiting = {(s.step, s.idx): s for s in self.pin(list(rows))}
+            self._waiting = {}
+            self._waiting_by_step = {}
+            for slot in self.pin(list(rows)):
+                self.waiting_added(slot)
         return self._waiting
+
+    def waiting_up_to(self, max_step: int, limit: int) -> list[Slot]:
+        """The first `limit` waiting slots, in (step, index) order, of steps up to `max_step`
+        (a placement looks at the first few of the earlier steps; scanning every waiting slot
+        for each group would make a batch cost O(n^2))."""
+        self.waiting()
+        found: list[Slot] = []
+        for step in sorted(self._waiting_by_step):
+            if step > max_step or len(found) >= limit:
+                break
+            found.extend(self._waiting_by_step[step][: limit - len(found)])
+        return found
+
+    # --- open slots, for placements that may take any of them ---------------------------------
+
+    def open_slots(self, max_step: int, limit: int) -> list[Slot]:
+        """The first `limit` open slots of open steps up to `max_step`, in placement order
+        (step, slots waiting on a replacement first, index), as the database would return them
+        after a flush, without a flush and a query per placement.
+
+        A prefix of that order is loaded once per transaction. Slots only leave it during the
+        transaction (filled or shrunk, checked here on use), except a lender's slot that a
+        borrow re-opens, which `waiting()` holds. While the prefix still has `limit` usable
+        slots, or reaches past `max_step`, or is the whole set, its usable slots are the
+        answer; otherwise it is loaded again. The caller merges `waiting()` and sorts.
+        """
+        for _ in range(2):
+            if self._open_slots is None:
+                self.session.flush()
+                rows = self.session.scalars(
+                    select(Slot)
+                    .join(Step, (Step.run_id == Slot.run_id) & (Step.step == Slot.step))
+                    .where(
+                        Slot.run_id == self.run.id,
+                        Slot.status == _SLOT_OPEN,
+                        Step.status == _STEP_OPEN,
+                    )
+                    .order_by(Slot.step, Slot.needs_replacement.desc(), Slot.idx)
+                    .limit(OPEN_CHUNK)
+                ).all()
+                self._open_slots = self.pin(list(rows))
+                self._open_slots_truncated = len(rows) == OPEN_CHUNK
+            # Drop what has settled since, so later calls do not look at it again.
+            live = [s for s in self._open_slots if s.status == _SLOT_OPEN]
+            self._open_slots = live
+            open_steps = {step: self.step_open(step) for step in {s.step for s in live if s.step <= max_step}}
+            found = [s for s in live if s.step <= max_step and open_steps[s.step]]
+            if (
+                len(found) >= limit
+                or not self._open_slots_truncated
+                or (live and live[-1].step > max_step)
+            ):
+                # In memory a slot can only move up the order (its prompt filtered, it starts
+                # waiting; `waiting()` has it then), so the first `limit` in the loaded order
+                # hold every slot of the first `limit` in the current one that is not waiting.
+                return found[:limit]
+            self._open_slots = None
+        return found
 
     def waiting_added(self, slot: Slot) -> None:
         if self._waiting is not None:
-            self._waiting[(slot.step, slot.idx)] = slot
+            key = (slot.step, slot.idx)
+            if key in self._waiting:
+                return
+            self._waiting[key] = slot
+            insort(self._waiting_by_step.setdefault(slot.step, []), slot, key=_slot_index)
 
     def waiting_removed(self, slot: Slot) -> None:
-        if self._waiting is not None:
-            self._waiting.pop((slot.step, slot.idx), None)
+        if self._waiting is not None and self._waiting.pop((slot.step, slot.idx), None) is not None:
+            by_step = self._waiting_by_step[slot.step]
+            del by_step[bisect_left(by_step, slot.idx, key=_slot_index)]
+            if not by_step:
+                del self._waiting_by_step[slot.step]

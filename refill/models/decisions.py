@@ -44,6 +44,8 @@ def payload_problem(
             return f"reward of completion {i} is {reward}, not a finite number"
     if not result.prompt_token_ids:
         return "prompt_token_ids is empty"
+    if _payload_fine(result, vocab_size):
+        return None
     for where, ids in [("prompt", result.prompt_token_ids)] + [
         (f"completion {i}", c.token_ids) for i, c in enumerate(result.completions)
     ]:
@@ -57,6 +59,29 @@ def payload_problem(
             if not isinstance(logprob, (int, float)) or not math.isfinite(logprob) or logprob > 1e-3:
                 return f"completion {i} has log-prob {logprob!r}; log-probs are finite and <= 0"
     return None
+
+
+_INT = {int}
+_NUMBER = {int, float}
+
+
+def _payload_fine(result: ResultMessage, vocab_size: int | None) -> bool:
+    """The token and log-prob checks below in C-speed builtins: True when all of them pass
+    (the common case, checked once per result on the consumer's hot path); False sends the
+    caller through the loops that name the first problem."""
+    for ids in [result.prompt_token_ids] + [c.token_ids for c in result.completions]:
+        # type() is exactly int: JSON gives no other int, and this leaves bool out.
+        if ids and (set(map(type, ids)) != _INT or min(ids) < 0 or (vocab_size is not None and max(ids) >= vocab_size)):
+            return False
+    for completion in result.completions:
+        logprobs = completion.logprobs
+        if logprobs and (
+            not set(map(type, logprobs)) <= _NUMBER
+            or not all(map(math.isfinite, logprobs))
+            or max(logprobs) > 1e-3
+        ):
+            return False
+    return True
 
 
 # --- dynamic-sampling budget (SPEC §3.3) -------------------------------------------------

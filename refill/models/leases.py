@@ -17,7 +17,16 @@ from sqlalchemy.orm import Session
 from refill.models.context import RunContext, utcnow
 from refill.models.settings import settings_for
 from refill.models.slots import RunFailed, infra_failure, lost_in_queue, queue_training
-from refill.models.tables import Attempt, AttemptState, Outbox, OutboxKind, Run, RunStatus, Step, StepStatus
+from refill.models.tables import (
+    Attempt,
+    AttemptState,
+    Outbox,
+    OutboxKind,
+    Run,
+    RunStatus,
+    Step,
+    StepStatus,
+)
 
 
 @dataclass(frozen=True)
@@ -72,6 +81,52 @@ def start_attempt(
     if row is None:
         return None
     return Lease(attempt_id, run.id, int(row[0]), settings.lease_seconds)
+
+
+def start_attempts(
+    session: Session,
+    run_id: int,
+    attempt_ids: list[int],
+    worker: str,
+    lease_seconds: float,
+    now: datetime | None = None,
+    engine_version: int | None = None,
+) -> dict[int, Lease]:
+    """`start_attempt` for several attempts of one run, in one statement, for a worker that
+    already knows the run's lease length (from the run's config, which never changes).
+
+    Takes the lease on each attempt of `run_id` that is pending or queued while the run is
+    running; returns the leases taken, by attempt id. An attempt of another run, or one that
+    is not ours to run, is left out.
+    """
+    if not attempt_ids:
+        return {}
+    now = now or utcnow()
+    floor = engine_version if engine_version is not None else 0
+    table = Attempt.__table__
+    runs = Run.__table__
+    running = select(runs.c.id).where(runs.c.id == run_id, runs.c.status == RunStatus.RUNNING.value).exists()
+    rows = session.execute(
+        update(table)
+        .where(
+            table.c.id.in_(attempt_ids),
+            table.c.run_id == run_id,
+            table.c.state.in_([AttemptState.PENDING.value, AttemptState.QUEUED.value]),
+            running,
+        )
+        .values(
+            state=AttemptState.RUNNING.value,
+            worker=worker[:200],
+            started_at=now,
+            dispatched_at=case((table.c.dispatched_at.is_(None), now), else_=table.c.dispatched_at),
+            leased_until=now + timedelta(seconds=lease_seconds),
+            min_weight_version=case(
+                (table.c.min_weight_version < floor, floor), else_=table.c.min_weight_version
+            ),
+        )
+        .returning(table.c.id, table.c.min_weight_version)
+    ).all()
+    return {int(i): Lease(int(i), run_id, int(version), lease_seconds) for i, version in rows}
 
 
 def extend_lease(session: Session, attempt_id: int, worker: str, seconds: float, now: datetime | None = None) -> bool:

@@ -16,6 +16,7 @@ from typing import Any
 from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 
+from refill.models.context import literal_in
 from refill.models.payload import GenerateMessage
 from refill.models.settings import settings_for
 from refill.models.tables import (
@@ -55,48 +56,61 @@ def claim_outbox(
     Rows whose message no longer makes sense (the attempt was cancelled, the run ended) are
     marked sent without a message, so the outbox drains.
     """
+    table = Outbox.__table__
     query = (
-        select(Outbox)
+        select(table.c.id, table.c.run_id, table.c.kind, table.c.attempt_id, table.c.payload)
         .where(
-            Outbox.sent_at.is_(None),
-            Outbox.available_at <= now,
-            or_(Outbox.claimed_until.is_(None), Outbox.claimed_until < now),
+            table.c.sent_at.is_(None),
+            table.c.available_at <= now,
+            or_(table.c.claimed_until.is_(None), table.c.claimed_until < now),
         )
-        .order_by(Outbox.id)
+        .order_by(table.c.id)
         .limit(limit)
         .with_for_update(skip_locked=True)
     )
     if ids is not None:
-        query = query.where(Outbox.id.in_(ids))
+        query = query.where(literal_in(table.c.id, ids))
     if run_id is not None:
-        query = query.where(Outbox.run_id == run_id)
-    rows = list(session.scalars(query))
+        query = query.where(table.c.run_id == run_id)
+    # Plain rows, not ORM objects, and one UPDATE per kind of change below: a relay pass
+    # handles up to `limit` rows, and the ORM's per-object bookkeeping cost more than the SQL.
+    rows = session.execute(query).all()
     if not rows:
         return []
-    runs = {r.id: r for r in session.scalars(select(Run).where(Run.id.in_({row.run_id for row in rows})))}
+    runs = {r.id: r for r in session.scalars(select(Run).where(literal_in(Run.id, {row.run_id for row in rows})))}
     attempt_ids = [row.attempt_id for row in rows if row.attempt_id is not None]
     attempts = {
-        a.id: (a, p)
-        for a, p in session.execute(
-            select(Attempt, Prompt).join(Prompt, Prompt.id == Attempt.prompt_id).where(Attempt.id.in_(attempt_ids))
+        found.id: found
+        for found in session.execute(
+            select(Attempt.id, Attempt.state, Attempt.min_weight_version, Prompt.text, Prompt.row)
+            .join(Prompt, Prompt.id == Attempt.prompt_id)
+            .where(literal_in(Attempt.id, attempt_ids))
         ).all()
-    }
-    until = now + timedelta(seconds=claim_seconds)
+    } if attempt_ids else {}
     out: list[Outgoing] = []
+    moot: list[int] = []
     for row in rows:
-        run = runs[row.run_id]
-        body = _body(row, run, attempts)
+        body = _body(row, runs[row.run_id], attempts)
         if body is None:
-            row.sent_at = now
+            moot.append(row.id)
             continue
-        row.claimed_by = claimer[:200]
-        row.claimed_until = until
-        row.send_count += 1
         out.append(Outgoing(row.id, row.kind, QUEUE_OF[row.kind], row.run_id, body))
+    if moot:
+        session.execute(update(table).where(literal_in(table.c.id, moot)).values(sent_at=now))
+    if out:
+        session.execute(
+            update(table)
+            .where(literal_in(table.c.id, [m.outbox_id for m in out]))
+            .values(
+                claimed_by=claimer[:200],
+                claimed_until=now + timedelta(seconds=claim_seconds),
+                send_count=table.c.send_count + 1,
+            )
+        )
     return out
 
 
-def _body(row: Outbox, run: Run, attempts: dict[int, tuple[Attempt, Prompt]]) -> dict[str, Any] | None:
+def _body(row: Any, run: Run, attempts: dict[int, Any]) -> dict[str, Any] | None:
     if run.status != RunStatus.RUNNING.value:
         return None
     if row.kind == OutboxKind.TRAIN_STEP.value:
@@ -104,21 +118,20 @@ def _body(row: Outbox, run: Run, attempts: dict[int, tuple[Attempt, Prompt]]) ->
     found = attempts.get(row.attempt_id or -1)
     if found is None:
         return None
-    attempt, prompt = found
-    if attempt.state not in (AttemptState.PENDING.value, AttemptState.QUEUED.value):
+    if found.state not in (AttemptState.PENDING.value, AttemptState.QUEUED.value):
         return None
     settings = settings_for(run)
     return GenerateMessage(
         run_id=run.id,
-        attempt_id=attempt.id,
-        prompt=prompt.text,
-        row=prompt.row,
+        attempt_id=found.id,
+        prompt=found.text,
+        row=found.row,
         n=settings.group_size,
         temperature=settings.temperature,
         top_p=settings.top_p,
         max_new_tokens=settings.max_new_tokens,
-        seed=(settings.seed * 1_000_003 + attempt.id) % 2**31,
-        min_weight_version=attempt.min_weight_version,
+        seed=(settings.seed * 1_000_003 + found.id) % 2**31,
+        min_weight_version=found.min_weight_version,
     ).to_json()
 
 
@@ -126,12 +139,8 @@ def mark_sent(session: Session, sent: list[Outgoing], now: datetime) -> None:
     """Record that these messages reached the broker; their attempts are now queued."""
     if not sent:
         return
-    session.execute(
-        update(Outbox)
-        .where(Outbox.id.in_([m.outbox_id for m in sent]))
-        .values(sent_at=now)
-        .execution_options(synchronize_session=False)
-    )
+    table = Outbox.__table__
+    session.execute(update(table).where(literal_in(table.c.id, [m.outbox_id for m in sent])).values(sent_at=now))
     by_run: dict[int, list[int]] = {}
     for message in sent:
         if message.kind == OutboxKind.GENERATE.value:
@@ -141,9 +150,9 @@ def mark_sent(session: Session, sent: list[Outgoing], now: datetime) -> None:
         assert run is not None
         timeout = timedelta(seconds=settings_for(run).queue_timeout_seconds)
         # Only a pending attempt becomes queued: a fast worker may already hold its lease.
+        attempts = Attempt.__table__
         session.execute(
-            update(Attempt)
-            .where(Attempt.id.in_(attempt_ids), Attempt.state == AttemptState.PENDING.value)
+            update(attempts)
+            .where(literal_in(attempts.c.id, attempt_ids), attempts.c.state == AttemptState.PENDING.value)
             .values(state=AttemptState.QUEUED.value, dispatched_at=now, leased_until=now + timeout)
-            .execution_options(synchronize_session=False)
         )

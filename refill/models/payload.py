@@ -35,8 +35,12 @@ class Completion:
     def from_json(cls, body: dict[str, Any]) -> Completion:
         if not isinstance(body, dict):
             raise PayloadError("a completion must be an object")
-        token_ids = _require(body, "token_ids", list)
-        logprobs = _require(body, "logprobs", list)
+        token_ids = body.get("token_ids")
+        logprobs = body.get("logprobs")
+        if type(token_ids) is not list or type(logprobs) is not list:
+            # the slow path, for its message
+            token_ids = _require(body, "token_ids", list)
+            logprobs = _require(body, "logprobs", list)
         if len(token_ids) != len(logprobs):
             raise PayloadError(
                 f"completion has {len(token_ids)} token ids but {len(logprobs)} log-probs"

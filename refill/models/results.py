@@ -17,7 +17,7 @@ from sqlalchemy import select, tuple_
 from sqlalchemy.orm import Session
 
 from refill.models import decisions
-from refill.models.context import RunContext, utcnow
+from refill.models.context import RunContext, literal_in, utcnow
 from refill.models.db import UnknownRun
 from refill.models.overdispatch import top_up
 from refill.models.payload import Completion, ResultMessage
@@ -95,6 +95,7 @@ def record_results(
                 )
             continue
         attempts = _preload(ctx, [r.attempt_id for _, r in items])
+        _warm_caches(ctx)
         for position, result in items:
             outcomes[position] = _record_one(ctx, attempts.get(result.attempt_id), result)
         top_up(ctx)
@@ -109,13 +110,32 @@ def _preload(ctx: RunContext, attempt_ids: list[int]) -> dict[int, Attempt]:
     session, run_id = ctx.session, ctx.run.id
     attempts = {
         a.id: a
-        for a in session.scalars(select(Attempt).where(Attempt.run_id == run_id, Attempt.id.in_(attempt_ids)))
+        for a in session.scalars(select(Attempt).where(Attempt.run_id == run_id, literal_in(Attempt.id, attempt_ids)))
     }
     keys = {(a.step, a.slot_idx) for a in attempts.values() if a.slot_idx is not None}
     if keys:
-        ctx.pin(list(session.scalars(select(Slot).where(Slot.run_id == run_id, tuple_(Slot.step, Slot.idx).in_(keys)))))
+        ctx.pin(list(session.scalars(select(Slot).where(Slot.run_id == run_id, literal_in(tuple_(Slot.step, Slot.idx), keys)))))
     ctx.pin(list(session.scalars(select(Step).where(Step.run_id == run_id, Step.status != StepStatus.TRAINED.value))))
     return attempts
+
+
+def _warm_caches(ctx: RunContext) -> None:
+    """Load what the decisions of a batch will look up, before the batch changes anything.
+
+    Each of these caches loads on first use, and must flush the batch's changes first so
+    that its query sees them: three or four flushes in the middle of a batch, each a round of
+    statements. Loaded here, they find nothing to flush, and the batch's changes are written
+    once, at the end.
+    """
+    if not ctx.running:
+        return
+    ctx.waiting()
+    if ctx.settings.use_dynamic_sampling:
+        ctx.lendable_parts()  # a filtered group's slot borrows
+        ctx.spare_count  # noqa: B018 - a property that loads the stored count
+        ctx.warm_spares()
+    if ctx.settings.over_dispatch or ctx.settings.sampler_name != "in_order":
+        ctx.open_slots(-1, 0)  # an extra, or any group under another sampler, takes an open slot
 
 
 def _reject(

@@ -274,12 +274,12 @@ def placement_candidates(ctx: RunContext, group: Group, own: Slot | None, limit:
     bound_step = group.weight_version + ctx.settings.max_lookahead_versions
     ceiling = own.step if own is not None else bound_step + 1
     max_step = min(ceiling - 1, bound_step)
-    slots: dict[tuple[int, int], Slot] = {(slot.step, slot.idx): slot for slot in ctx.waiting_up_to(max_step)}
+    slots: dict[tuple[int, int], Slot] = {(slot.step, slot.idx): slot for slot in ctx.waiting_up_to(max_step, limit)}
     if ctx.settings.sampler_name != "in_order" or own is None:
         # An extra serves its step, not a slot: any open slot it may fill is a candidate.
         slots.update(((slot.step, slot.idx), slot) for slot in ctx.open_slots(max_step, limit))
     open_value = SlotStatus.OPEN.value
-    open_steps = {step: ctx.step_open(step) for step, _ in slots}
+    open_steps = {step: ctx.step_open(step) for step in {step for step, _ in slots}}
     views = [
         SlotView(slot.step, slot.idx, bool(slot.needs_replacement))
         for slot in slots.values()
@@ -420,7 +420,7 @@ def release_to_extra(ctx: RunContext, slot: Slot) -> None:
         fresh.slot_idx = None
         fresh.reason = AttemptReason.EXTRA.value
         return
-    _persisted_live_update(ctx, slot, {"slot_idx": None, "reason": AttemptReason.EXTRA.value})
+    ctx.release_later(slot)
 
 
 # --- failures (SPEC §3.2, §3.6) ----------------------------------------------------------
