@@ -14,6 +14,7 @@ are relayed at once rather than at the controller's next tick.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -40,11 +41,14 @@ class ResultConsumer:
         ledger: Ledger,
         *,
         after_commit: Callable[[list[int]], int] | None = None,
-        max_batch: int = 64,
+        max_batch: int = 256,
         max_wait_ms: float = 20.0,
     ) -> None:
         self.ledger = ledger
-        self.after_commit = after_commit
+        # The outbox rows a batch wrote are relayed by a thread of their own, so publishing
+        # them overlaps the next batch instead of delaying it (they are in the ledger: a relay
+        # that fails or never runs leaves them to the controller's).
+        self._relay = _BackgroundRelay(after_commit) if after_commit is not None else None
         self._chaos = ConsumerChaos()  # inert unless the fault suite sets its knob
         self._max_bytes: dict[int, int] = {}  # run -> infra.max_result_bytes (runs' configs never change)
         self._batcher: MicroBatcher[dict[str, Any], str] = MicroBatcher(
@@ -52,8 +56,18 @@ class ResultConsumer:
         )
 
     def submit(self, body: dict[str, Any]) -> str:
-        """Record one result; returns its outcome once the batch it joined is committed."""
-        return self._batcher.submit(body)
+        """Record one result, or a bundle of them (`{"bundle": [result, ...]}`, as a worker's
+        ResultSender sends them); returns the outcome(s) once every batch they joined is
+        committed, so the message is acknowledged only then."""
+        bundle = body.get("bundle") if isinstance(body, dict) else None
+        if not isinstance(bundle, list):
+            return self._batcher.submit(body)
+        futures = [self._batcher.submit_future(item) for item in bundle]
+        outcomes = [future.result() for future in futures]
+        counts: dict[str, int] = {}
+        for outcome in outcomes:
+            counts[outcome] = counts.get(outcome, 0) + 1
+        return " ".join(f"{outcome}x{count}" for outcome, count in sorted(counts.items()))
 
     def _process(self, bodies: list[dict[str, Any]]) -> list[str]:
         decoded: list[tuple[int, ResultMessage]] = []
@@ -89,11 +103,8 @@ class ResultConsumer:
             outcomes[i] = recorded.outcome.value
         for _, _, error in malformed:
             log.error("refused malformed result: %s", error)
-        if self.after_commit is not None and batch.outbox_ids:
-            try:
-                self.after_commit(batch.outbox_ids)
-            except Exception as error:  # noqa: BLE001 - the rows stay in the outbox for the relay
-                log.warning("immediate relay failed (%r); the controller's relay will send them", error)
+        if self._relay is not None and batch.outbox_ids:
+            self._relay.submit(batch.outbox_ids)
         return outcomes
 
     def _result_limits(self, session: Session, run_ids: set[int]) -> dict[int, int]:
@@ -108,6 +119,48 @@ class ResultConsumer:
 
     def close(self) -> None:
         self._batcher.close(timeout=30)
+        if self._relay is not None:
+            self._relay.close(timeout=30)
+
+
+class _BackgroundRelay:
+    """Relays outbox rows by id on its own thread, the ids of several batches together."""
+
+    #: ids per relay transaction (the relay claims at most 1000 rows at a time)
+    CHUNK = 1000
+
+    def __init__(self, relay: Callable[[list[int]], int]) -> None:
+        self._relay = relay
+        self._pending: list[int] = []
+        self._cond = threading.Condition()
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="consumer-relay", daemon=True)
+        self._thread.start()
+
+    def submit(self, ids: list[int]) -> None:
+        with self._cond:
+            self._pending.extend(ids)
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._closing:
+                    self._cond.wait()
+                if not self._pending:
+                    return
+                ids, self._pending = self._pending, []
+            for start in range(0, len(ids), self.CHUNK):
+                try:
+                    self._relay(ids[start : start + self.CHUNK])
+                except Exception as error:  # noqa: BLE001 - the rows stay in the outbox
+                    log.warning("immediate relay failed (%r); the controller's relay will send them", error)
+
+    def close(self, timeout: float | None = None) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        self._thread.join(timeout)
 
 
 def _within_limit(message: ResultMessage, limit: int | None) -> ResultMessage:

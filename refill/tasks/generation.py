@@ -20,9 +20,10 @@ from typing import Any
 
 from sqlalchemy import select, update
 
+from refill.batching import MicroBatcher
 from refill.models.context import utcnow
 from refill.models.db import Ledger
-from refill.models.leases import Lease, start_attempt
+from refill.models.leases import Lease, start_attempt, start_attempts
 from refill.models.payload import GenerateMessage, ResultMessage
 from refill.models.tables import Attempt, AttemptState, Run
 from refill.models.training import newest_weights
@@ -32,6 +33,9 @@ from refill.tasks.backends.base import GenerationOutput, GenerationRequest, make
 from refill.tasks.backends.batching import BatchingEngine
 
 log = logging.getLogger(__name__)
+
+#: Seconds a worker reuses its answer to "which weights are newest" (see _newest_weights).
+WEIGHTS_TTL = 0.05
 
 
 def estimated_result_bytes(output: GenerationOutput) -> int:
@@ -50,6 +54,7 @@ class _RunEngine:
     reward_fn: Callable[..., float]
     heartbeat_seconds: float
     max_result_bytes: int
+    lease_seconds: float
 
 
 class GenerationService:
@@ -68,16 +73,28 @@ class GenerationService:
         self.leases = LeaseKeeper(ledger, worker)
         self._lock = threading.Lock()
         self._current: _RunEngine | None = None
+        # No wait for company: a handshake goes at once, and those that arrive while one
+        # transaction runs share the next (group commit, as the consumer's).
+        self._handshakes: MicroBatcher[tuple[int, int, float, int | None], Lease | None] = MicroBatcher(
+            self._take_leases, max_batch=64, max_wait_ms=0.0, name="lease-handshakes"
+        )
+        self._weights: dict[int, tuple[float, tuple[int, str | None] | None]] = {}
 
     # --- one attempt -------------------------------------------------------------------
 
     def run(self, message: GenerateMessage) -> str:
         current = self._current
-        engine_version = current.engine.weight_version if current and current.run_id == message.run_id else None
-        lease = self.ledger.transaction(
-            lambda s: start_attempt(s, message.attempt_id, self.worker, utcnow(), engine_version),
-            what="lease handshake",
-        )
+        if current is not None and current.run_id == message.run_id:
+            # The usual case: the engine of this run is loaded, so the lease length is known;
+            # the leases of the attempts arriving together are taken in one transaction.
+            lease = self._handshakes.submit(
+                (message.run_id, message.attempt_id, current.lease_seconds, current.engine.weight_version)
+            )
+        else:
+            lease = self.ledger.transaction(
+                lambda s: start_attempt(s, message.attempt_id, self.worker, utcnow(), None),
+                what="lease handshake",
+            )
         if lease is None:
             # A repeat of a message whose attempt another worker holds or that is settled, or
             # one for an attempt this ledger never dispatched.
@@ -93,6 +110,27 @@ class GenerationService:
             self.leases.release(message.attempt_id)
         self.send_result(result.to_json())
         return result.error_kind or "generated"
+
+    def _take_leases(self, requests: list[tuple[int, int, float, int | None]]) -> list[Lease | None]:
+        """Lease handshakes of the attempts that arrived while the previous ones were taken:
+        one transaction (one commit) for all of them. A repeat of an attempt in the same
+        batch gets no lease, as it would have one handshake later."""
+        groups: dict[tuple[int, float, int | None], list[int]] = {}
+        for run_id, attempt_id, seconds, version in requests:
+            groups.setdefault((run_id, seconds, version), []).append(attempt_id)
+        now = utcnow()
+
+        def take(session) -> dict[int, Lease]:  # type: ignore[no-untyped-def]
+            taken: dict[int, Lease] = {}
+            for (run_id, seconds, version), ids in groups.items():
+                taken.update(start_attempts(session, run_id, ids, self.worker, seconds, now, version))
+            return taken
+
+        taken = self.ledger.transaction(take, what="lease handshake")
+        out: list[Lease | None] = []
+        for _, attempt_id, _, _ in requests:
+            out.append(taken.pop(attempt_id, None))
+        return out
 
     def _generate(self, run_engine: _RunEngine, message: GenerateMessage, lease: Lease) -> ResultMessage:
         request = GenerationRequest.from_message(message)
@@ -158,7 +196,7 @@ class GenerationService:
                 current.engine.close()
             engine = self.engine_factory(config)
             batching = BatchingEngine.from_config(
-                engine, config, weights_provider=lambda needed: self._newest_weights(run_id)
+                engine, config, weights_provider=lambda needed: self._newest_weights(run_id, needed)
             )
             generation = config.get("generation") or {}
             reward = config.get("reward") or {}
@@ -170,14 +208,25 @@ class GenerationService:
                     reward.get("function") or "refill.rewards.arith:exact_match", reward.get("kwargs")
                 ),
                 heartbeat_seconds=float(generation.get("heartbeat_seconds") or 10.0),
+                lease_seconds=float(generation.get("lease_seconds") or 120.0),
                 max_result_bytes=int((config.get("infra") or {}).get("max_result_bytes") or 64 * 2**20),
             )
             return self._current
 
-    def _newest_weights(self, run_id: int) -> tuple[int, str | None] | None:
-        return self.ledger.transaction(lambda s: newest_weights(s, run_id), what="read weights")
+    def _newest_weights(self, run_id: int, needed: int = 0) -> tuple[int, str | None] | None:
+        """The newest published weights (the engine asks before every batch). An answer at
+        least as new as the batch needs is reused for WEIGHTS_TTL seconds: a new version is
+        picked up that much later at most, never below what a request requires."""
+        now = time.monotonic()
+        cached = self._weights.get(run_id)
+        if cached is not None and now - cached[0] < WEIGHTS_TTL and cached[1] is not None and cached[1][0] >= needed:
+            return cached[1]
+        found = self.ledger.transaction(lambda s: newest_weights(s, run_id), what="read weights")
+        self._weights[run_id] = (now, found)
+        return found
 
     def close(self) -> None:
+        self._handshakes.close(timeout=30)
         self.leases.close()
         with self._lock:
             if self._current is not None:
@@ -257,13 +306,19 @@ class LeaseKeeper:
         return len(extended)
 
     def _run(self) -> None:
+        last = time.monotonic()
         while True:
             with self._cond:
+                # A lease just taken is fresh: `hold` only shortens the interval if it must
+                # (waking this thread to recompute the deadline), it does not cost a beat.
+                while not self._closed:
+                    remaining = last + self._interval - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    self._cond.wait(remaining)
                 if self._closed:
                     return
-                self._cond.wait(self._interval)
-                if self._closed:
-                    return
+            last = time.monotonic()
             try:
                 self.beat()
             except Exception as error:  # noqa: BLE001 - a missed beat is retried at the next one

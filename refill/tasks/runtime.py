@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 
@@ -39,6 +39,7 @@ class Runtime:
         self._generation: GenerationService | None = None
         self._consumer: ResultConsumer | None = None
         self._trainer: TrainerService | None = None
+        self._sender: ResultSender | None = None
         chaos.announce()
 
     def relay(self, outbox_ids: list[int]) -> int:
@@ -76,18 +77,101 @@ class Runtime:
             return self._trainer
 
     def send_result(self, body: dict) -> None:
-        from refill.tasks.queues import RESULTS, TASK_RECORD_RESULT
-
-        for _ in range(chaos.result_copies()):  # 1, or 2 when the fault suite injects duplicates
-            self.app.send_task(
-                TASK_RECORD_RESULT, args=[body], queue=RESULTS, routing_key=RESULTS, serializer="json"
-            )
+        """Send one result to the consumers; returns once it is on the broker (the caller's
+        generate message is acknowledged after this, so a crash never loses a result that
+        was not sent). Results that finish together go out as one message (ResultSender)."""
+        with self._lock:
+            if self._sender is None:
+                self._sender = ResultSender(self.app)
+        self._sender.send(body)
 
     def close(self) -> None:
         for part in (self._generation, self._consumer, self._trainer):
             if part is not None:
                 part.close()
+        if self._sender is not None:
+            self._sender.close()
         self.ledger.dispose()
+
+
+#: Results per `record_result` message at most, and their estimated JSON bytes at most.
+BUNDLE_MAX_RESULTS = 64
+BUNDLE_MAX_BYTES = 8 * 2**20
+#: How long the first result of a bundle waits for others (an engine batch finishes its groups
+#: together, so they are usually already there).
+BUNDLE_WAIT_MS = 2.0
+
+
+class ResultSender:
+    """Bundles the results a worker process finishes within a few milliseconds into one
+    `refill.record_result` message: `{"bundle": [result, ...]}`.
+
+    Each caller blocks until the message holding its result is on the broker, so a generate
+    message is still acknowledged only after its result was sent. A bundle is delivered at
+    least once like any message; the ledger keys every result by attempt id, so a bundle
+    delivered twice records each result once (the repeats are refused as DUPLICATE). A lone
+    result goes out as a plain result message, as before bundling.
+    """
+
+    def __init__(
+        self,
+        app: Celery,
+        *,
+        max_results: int = BUNDLE_MAX_RESULTS,
+        max_bytes: int = BUNDLE_MAX_BYTES,
+        max_wait_ms: float = BUNDLE_WAIT_MS,
+    ) -> None:
+        from refill.batching import MicroBatcher
+
+        self.app = app
+        self.max_bytes = max_bytes
+        self.messages_sent = 0
+        self._batcher: MicroBatcher[dict[str, Any], None] = MicroBatcher(
+            self._publish, max_batch=max_results, max_wait_ms=max_wait_ms, name="result-sender"
+        )
+
+    def send(self, body: dict[str, Any]) -> None:
+        self._batcher.submit(body)
+
+    def _publish(self, bodies: list[dict[str, Any]]) -> list[None]:
+        from refill.tasks.queues import RESULTS, TASK_RECORD_RESULT
+
+        messages = []
+        current: list[dict[str, Any]] = []
+        size = 0
+        for body in bodies:
+            estimate = estimated_body_bytes(body)
+            if current and size + estimate > self.max_bytes:
+                messages.append(current)
+                current, size = [], 0
+            current.append(body)
+            size += estimate
+        messages.append(current)
+        with self.app.producer_or_acquire() as producer:
+            for _ in range(chaos.result_copies()):  # 1, or 2 when the fault suite injects duplicates
+                for group in messages:
+                    self.app.send_task(
+                        TASK_RECORD_RESULT,
+                        args=[group[0] if len(group) == 1 else {"bundle": group}],
+                        queue=RESULTS,
+                        routing_key=RESULTS,
+                        serializer="json",
+                        producer=producer,
+                    )
+                    self.messages_sent += 1
+        return [None] * len(bodies)
+
+    def close(self) -> None:
+        self._batcher.close(timeout=30)
+
+
+def estimated_body_bytes(body: dict[str, Any]) -> int:
+    """A cheap upper estimate of a result body's JSON size (as refill.tasks.generation's)."""
+    size = 256 + 8 * len(body.get("prompt_token_ids") or ())
+    for completion in body.get("completions") or ():
+        size += 128 + 8 * len(completion.get("token_ids") or ()) + 24 * len(completion.get("logprobs") or ())
+        size += 2 * len(completion.get("text") or "")
+    return size + 2 * len(body.get("error") or "")
 
 
 _runtimes: dict[int, Runtime] = {}

@@ -1,0 +1,111 @@
+"""The ledger paths the throughput work changed (issue 7): batched lease handshakes, extras
+whose displaced attempts are handed over at the next flush, and bundles of results in the
+consumer. The invariants of every run are checked after each test (conftest)."""
+
+from __future__ import annotations
+
+from refill.models.context import RunContext
+from refill.models.dataloader import take_spare
+from refill.models.leases import start_attempts
+from refill.models.results import Outcome
+from refill.models.runs import request_stop, stop_run
+from refill.models.slots import dispatch
+from refill.models.tables import AttemptReason
+from refill.tasks.consumer import ResultConsumer
+from tests.support.driver import SPREAD, Driver
+
+
+
+def add_extras(d: Driver, step: int, count: int) -> list[int]:
+    """Dispatch `count` extras for `step` from the spare pool (how many over-dispatch sends
+    is its own business; this is about where they go)."""
+
+    def go(session):  # type: ignore[no-untyped-def]
+        ctx = RunContext.open(session, d.run_id, d.now)
+        ids = []
+        for _ in range(count):
+            spare = take_spare(ctx)
+            assert spare is not None
+            attempt = dispatch(ctx, step=step, slot=None, prompt_id=spare.prompt_id, reason=AttemptReason.EXTRA)
+            spare.taken_by = attempt
+            ctx.step(step).extras += 1
+            session.flush()
+            ids.append(attempt.id)
+        return ids
+
+    return d.ledger.transaction(go)
+
+
+def test_start_attempts_leases_pending_and_queued_attempts_of_a_running_run_only(ledger) -> None:  # type: ignore[no-untyped-def]
+    d = Driver(ledger)
+    d.admit()
+    first, second, third = (d.live_of(0, i).id for i in range(3))
+    d.relay(ids=None)  # all queued now
+    d.start(third, worker="someone-else")
+    leases = ledger.transaction(
+        lambda s: start_attempts(s, d.run_id, [first, second, third, 10**9], "w1", 30.0, d.now, 2)
+    )
+    assert set(leases) == {first, second}
+    assert all(lease.run_id == d.run_id and lease.lease_seconds == 30.0 for lease in leases.values())
+    # The engine's version raises the floor, as start_attempt does.
+    assert leases[first].min_weight_version == 2 and d.attempt(first).min_weight_version == 2
+    assert d.attempt(first).state == "running" and d.attempt(first).worker == "w1"
+    assert d.attempt(third).worker == "someone-else"
+    # A second handshake for the same attempts finds them running: nothing is ours.
+    again = ledger.transaction(lambda s: start_attempts(s, d.run_id, [first, second], "w2", 30.0, d.now))
+    assert again == {}
+    # Another run's id, or a run that no longer runs, leases nothing.
+    fourth = d.live_of(0, 3).id
+    assert ledger.transaction(lambda s: start_attempts(s, d.run_id + 1, [fourth], "w1", 30.0, d.now)) == {}
+    ledger.transaction(lambda s: request_stop(s, d.run_id))
+    ledger.transaction(lambda s: stop_run(s, d.run_id, d.now))
+    assert ledger.transaction(lambda s: start_attempts(s, d.run_id, [fourth], "w1", 30.0, d.now)) == {}
+
+
+def test_extras_that_fill_slots_hand_their_attempts_over_once_per_batch(ledger) -> None:  # type: ignore[no-untyped-def]
+    """An extra fills the earliest open slot and that slot's attempt becomes an extra of the
+    step, written at the batch's flush. When the displaced attempt itself finishes later in the
+    same batch, it is recorded as the extra it became, as if the hand-over had been written at
+    once."""
+    d = Driver(ledger, {"grpo": {"max_num_steps": 1}})
+    d.admit()
+    extras = add_extras(d, 0, 2)
+    own_00 = d.live_of(0, 0).id
+    own_01 = d.live_of(0, 1).id
+    d.start_all([*extras[:2], own_00])
+    batch = d.record(d.result(extras[0], SPREAD), d.result(own_00, SPREAD), d.result(extras[1], SPREAD))
+    assert [o.outcome for o in batch.outcomes] == [Outcome.COMMITTED] * 3
+    # The first extra took slot (0, 0); its own attempt, finishing in the same batch, became an
+    # extra and took the next open slot, whose attempt became an extra in turn.
+    assert d.slot(0, 0).group_attempt_id == extras[0]
+    assert d.slot(0, 1).group_attempt_id == own_00
+    moved = d.attempt(own_00)
+    assert (moved.state, moved.slot_idx, moved.reason) == ("committed", None, "extra")
+    displaced = d.attempt(own_01)
+    assert (displaced.state, displaced.slot_idx, displaced.reason) == ("pending", None, "extra")
+    # Every open slot still has exactly one live attempt (checked again by the conftest).
+    for slot in d.slots(0):
+        if slot.status == "open":
+            d.live_of(0, slot.idx)
+
+
+def test_a_bundle_of_results_is_recorded_once_whatever_it_repeats(ledger) -> None:  # type: ignore[no-untyped-def]
+    d = Driver(ledger)
+    d.admit()
+    a, b = d.live_of(0, 0).id, d.live_of(0, 1).id
+    d.start_all([a, b])
+    consumer = ResultConsumer(ledger)
+    try:
+        good_a = d.result(a, SPREAD, version=0).to_json()
+        good_b = d.result(b, SPREAD, version=0).to_json()
+        summary = consumer.submit({"bundle": [good_a, good_a, {"run_id": d.run_id}, good_b]})
+        assert summary == "COMMITTEDx2 DUPLICATEx1 MALFORMEDx1"
+        # The bundle delivered again (at least once): nothing changes but refusals.
+        snapshot = d.snapshot()
+        assert consumer.submit({"bundle": [good_a, good_b]}) == "DUPLICATEx2"
+        assert d.snapshot() == snapshot
+        # A plain result message is still accepted.
+        assert consumer.submit(good_a) == "DUPLICATE"
+    finally:
+        consumer.close()
+    assert d.step(0).committed == 2
