@@ -58,11 +58,13 @@ _LIVE = tuple(s.value for s in AttemptState.live())
 _EXTRA = AttemptReason.EXTRA.value
 
 
-#: Columns a flush writes for every changed row of these tables, whichever changed: the ORM
-#: groups the rows of an UPDATE by the set of columns that changed, one statement (one round
-#: trip) per group, so a batch whose rows changed in a dozen different ways cost a dozen round
-#: trips per table. Only columns that no transaction without the run's lock writes are listed
-#: (a worker's lease handshake and heartbeats write other columns of an attempt).
+#: Columns a flush may write for a changed row of these tables although they did not change:
+#: the ORM groups the rows of an UPDATE by the set of columns that changed, one statement (one
+#: round trip) per group, so a batch whose rows changed in a dozen different ways cost a dozen
+#: round trips per table. When the rows of a table changed in more than one way, each is
+#: written with the union of the columns that changed. Only columns that no transaction
+#: without the run's lock writes are listed (a worker's lease handshake and heartbeats write
+#: other columns of an attempt), so writing a loaded value back is writing the current one.
 _UNIFORM_COLUMNS: dict[type, tuple[str, ...]] = {
     Slot: (
         "status", "group_attempt_id", "shrink_reason", "needs_replacement", "filtered",
@@ -79,17 +81,23 @@ _UNIFORM_COLUMNS: dict[type, tuple[str, ...]] = {
 def _before_flush(session: Session, flush_context, instances) -> None:  # type: ignore[no-untyped-def]
     for ctx in session.info.get("refill_contexts", ()):
         ctx.apply_releases()
+    changed: dict[type, list[tuple[object, frozenset[str]]]] = {}
     for obj in session.dirty:
         columns = _UNIFORM_COLUMNS.get(type(obj))
         if columns is None:
             continue
-        state = inspect(obj)
-        if not state.modified:
-            continue
-        loaded = state.dict
-        for name in columns:
-            if name in loaded:
-                flag_modified(obj, name)
+        keys = frozenset(inspect(obj).committed_state).intersection(columns)
+        if keys:
+            changed.setdefault(type(obj), []).append((obj, keys))
+    for rows in changed.values():
+        if len({keys for _, keys in rows}) < 2:
+            continue  # one UPDATE already
+        union = frozenset().union(*(keys for _, keys in rows))
+        for obj, keys in rows:
+            loaded = inspect(obj).dict
+            for name in union - keys:
+                if name in loaded:
+                    flag_modified(obj, name)
 
 
 def literal_in(column, values):  # type: ignore[no-untyped-def]

@@ -110,7 +110,27 @@ class ResultMessage:
     generation_seconds: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        # By hand: dataclasses.asdict deep-copies every token list of every completion.
+        return {
+            "run_id": self.run_id,
+            "attempt_id": self.attempt_id,
+            "worker": self.worker,
+            "weight_version": self.weight_version,
+            "prompt_token_ids": self.prompt_token_ids,
+            "completions": [
+                {
+                    "token_ids": c.token_ids,
+                    "logprobs": c.logprobs,
+                    "text": c.text,
+                    "finish_reason": c.finish_reason,
+                }
+                for c in self.completions
+            ],
+            "rewards": self.rewards,
+            "error_kind": self.error_kind,
+            "error": self.error,
+            "generation_seconds": self.generation_seconds,
+        }
 
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> ResultMessage:

@@ -33,9 +33,19 @@ def publish(app: Celery, messages: Iterable[Outgoing]) -> int:
                 routing_key=message.queue,
                 producer=producer,
                 serializer="json",
+                # Celery would otherwise repr the whole body for the message's headers.
+                argsrepr=_describe(message),
+                kwargsrepr="{}",
             )
             count += 1
     return count
+
+
+def _describe(message: Outgoing) -> str:
+    body = message.body
+    if "attempt_id" in body:
+        return f"[run {body.get('run_id')} attempt {body['attempt_id']}]"
+    return f"[run {body.get('run_id')} step {body.get('step')}]"
 
 
 def relay(

@@ -157,6 +157,10 @@ class ResultSender:
                         routing_key=RESULTS,
                         serializer="json",
                         producer=producer,
+                        # What the logs show of the message; Celery would otherwise repr the
+                        # whole payload (every token and log-prob) for each message it sends.
+                        argsrepr=f"[results of attempts {','.join(str(b.get('attempt_id')) for b in group)}]",
+                        kwargsrepr="{}",
                     )
                     self.messages_sent += 1
         return [None] * len(bodies)

@@ -94,3 +94,17 @@ def test_the_fault_suite_duplicates_whole_bundles(monkeypatch) -> None:  # type:
     finally:
         sender.close()
     assert app.sent == [{"bundle": [result(1), result(2)]}] * 2
+
+
+def test_a_result_message_serialises_as_dataclasses_would() -> None:
+    from dataclasses import asdict
+
+    from refill.models.payload import Completion, ResultMessage
+
+    message = ResultMessage(
+        run_id=1, attempt_id=2, worker="w", weight_version=3, prompt_token_ids=[1, 2],
+        completions=[Completion([4, 5], [-0.5, -0.25], "text", "length")], rewards=[0.5],
+        error_kind="data", error="why", generation_seconds=1.5,
+    )
+    assert message.to_json() == asdict(message)
+    assert ResultMessage.from_json(message.to_json()) == message
