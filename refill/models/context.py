@@ -128,6 +128,9 @@ class RunContext:
     new_live: dict[tuple[int, int], Attempt] = field(default_factory=dict)
     _spare_count: int | None = None
     _pending_releases: list[tuple[int, int]] = field(default_factory=list)
+    #: attempts that finished in this transaction while serving their open slot: they keep
+    #: the slot when it is later handed to an extra (they are part of its history)
+    served_slot: set[int] = field(default_factory=set)
     _spares_db: deque[SparePrompt] | None = None
     _spares_db_done: bool = False
     _spares_last_id: int = 0
@@ -191,8 +194,14 @@ class RunContext:
         keys, self._pending_releases = set(self._pending_releases), []
         finished_here = []
         for obj in list(self.session.identity_map.values()):
-            if isinstance(obj, Attempt) and (obj.step, obj.slot_idx) in keys and obj.state not in _LIVE:
-                # Still live in the database; its own changes are written by this flush.
+            if (
+                isinstance(obj, Attempt)
+                and (obj.step, obj.slot_idx) in keys
+                and obj.state not in _LIVE
+                and obj.id not in self.served_slot
+            ):
+                # Still live in the database, and it finished after the slot was filled: it
+                # ran as an extra. Its own changes are written by this flush.
                 finished_here.append(obj.id)
                 obj.slot_idx = None
                 obj.reason = _EXTRA
@@ -202,8 +211,10 @@ class RunContext:
             literal_in(tuple_(table.c.step, table.c.slot_idx), keys),
             table.c.state.in_(_LIVE),
         )
-        if finished_here:
-            query = query.where(table.c.id.not_in(finished_here))
+        # Both are still live in the database: their own changes are written after this.
+        settled = [*finished_here, *self.served_slot]
+        if settled:
+            query = query.where(~literal_in(table.c.id, settled))
         moved = self.session.execute(query.values(slot_idx=None, reason=_EXTRA).returning(table.c.id)).scalars()
         for attempt_id in moved:
             obj = self.session.identity_map.get(identity_key(Attempt, attempt_id))

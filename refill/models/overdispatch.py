@@ -1,27 +1,63 @@
 """Adaptive over-dispatch: keep enough attempts in flight that a step fills in about one
-generation latency.
+generation latency, without generating groups that can never train.
 
 With `N` open slots and zero-variance fraction `p`, one attempt per slot yields about
 `N(1 - p)` usable groups, and a slot whose group is filtered waits a whole generation for its
-replacement. So each open step carries EXTRA attempts — ones that serve the step rather than
-one slot — sized so that the live attempts' expected usable groups cover its open slots with
+replacement. So a step carries EXTRA attempts — ones that serve the step rather than one slot —
+sized so that the live attempts' expected usable groups cover its open slots with
 `async_rl.over_dispatch.safety_sigmas` standard deviations of margin (`decisions.extra_attempts`,
 with `p` estimated online from the run's finished groups). An extra that commits fills the
 earliest open slot it may (that slot's own attempt becomes an extra in turn); one that finds
-no open slot is parked and lent to a later step within the staleness bound, never discarded.
+no open slot is parked and lent to a slot whose group is filtered, never discarded.
+
+What bounds the waste (measured with `python -m bench fill`, see bench/README.md): a group
+trains at most `max_lookahead_versions` versions after the weights that generated it, and step
+`s` is admitted when version `s - lookahead` is published, so an attempt that starts while `s`
+is the newest admitted step can serve steps up to `s` only. Whatever such attempts return after
+`s` is released is lost. Hence:
+
+- **only the newest admitted step gets extras.** An older step's filtered slots borrow groups
+  committed for the steps admitted after it (those attempts are in flight anyway, and their
+  lenders get fresh attempts with newer weights): borrowing is free over-dispatch. Extras for
+  an older step would be generated with weights too old for any step after it.
+- **an extra does not displace an attempt that is generating with weights too old for a later
+  step** (`displaceable`): the displaced attempt would come back after its step filled and be
+  lost. Only a step's last open slots (`TAIL_FRACTION` of its slots, at least one) may take a
+  group that displaces one: that trims the slowest stragglers of each step for a bounded loss.
+- **unstarted extras of a step that was released move to the newest open step**
+  (`reaim_stranded_extras`): they will start with the newest weights and count there.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
-from sqlalchemy import func, select
+from sqlalchemy import case, func, select, tuple_, update
+from sqlalchemy.orm.util import identity_key
 
 from refill.models import decisions
 from refill.models.context import RunContext
 from refill.models.dataloader import take_spare
-from refill.models.slots import LIVE, dispatch, measured_zero_variance
-from refill.models.tables import Attempt, AttemptReason, Step, StepStatus
+from refill.models.samplers import SlotView
+from refill.models.slots import LIVE, dispatch, fill, measured_zero_variance, release_to_extra
+from refill.models.tables import (
+    Attempt,
+    AttemptReason,
+    AttemptState,
+    Group,
+    Slot,
+    SlotStatus,
+    Step,
+    StepStatus,
+)
+
+#: A step whose open slots are at most this fraction of its slots (and at least one) is in its
+#: tail: its slots may take groups that displace attempts generating with old weights.
+TAIL_FRACTION = 0.01
+
+_RUNNING = AttemptState.RUNNING.value
+_UNSTARTED = (AttemptState.PENDING.value, AttemptState.QUEUED.value)
 
 
 def zero_variance_estimate(ctx: RunContext) -> decisions.ZeroVarianceEstimate:
@@ -30,39 +66,174 @@ def zero_variance_estimate(ctx: RunContext) -> decisions.ZeroVarianceEstimate:
 
 
 def top_up(ctx: RunContext, steps: list[Step] | None = None) -> int:
-    """Dispatch the extras each open step needs now; returns how many were sent."""
+    """Dispatch the extras the newest admitted step needs now; returns how many were sent.
+
+    `steps` (the steps an admission just opened) is accepted for the callers' sake: the newest
+    admitted step is the only one that gets extras, wherever it is found.
+    """
     settings = ctx.settings
     if not settings.over_dispatch or not settings.use_dynamic_sampling or not ctx.running:
         return 0
-    if steps is None:
-        steps = [s for s in ctx.pinned if isinstance(s, Step)]
-    steps = sorted(
-        {s.step: s for s in steps if s.status == StepStatus.OPEN.value}.values(), key=lambda s: s.step
-    )
-    if not steps:
+    newest = ctx.session.get(Step, (ctx.run.id, ctx.run.next_step - 1)) if ctx.run.next_step else None
+    p = zero_variance_estimate(ctx).p  # flushes: the statements below see this transaction's rows
+    reaim_stranded_extras(ctx)
+    fill_tails_from_parked(ctx)
+    if newest is None or newest.status != StepStatus.OPEN.value:
         return 0
-    p = zero_variance_estimate(ctx).p  # flushes: the count below sees this transaction's attempts
-    live = dict(
-        ctx.session.execute(
-            select(Attempt.step, func.count())
-            .where(
-                Attempt.run_id == ctx.run.id,
-                Attempt.state.in_(LIVE),
-                Attempt.step.in_([s.step for s in steps]),
-            )
-            .group_by(Attempt.step)
-        ).all()
+    live = ctx.session.scalar(
+        select(func.count()).where(
+            Attempt.run_id == ctx.run.id, Attempt.state.in_(LIVE), Attempt.step == newest.step
+        )
     )
+    # Parked groups the newest step may borrow are supply already committed.
+    parked = ctx.session.scalar(
+        select(func.count()).where(
+            Group.run_id == ctx.run.id,
+            Group.parked.is_(True),
+            Group.weight_version >= newest.step - settings.max_lookahead_versions,
+        )
+    )
+    need = newest.num_slots - newest.shrunk - newest.committed - int(parked or 0)
+    cap = math.floor(settings.over_dispatch_max_fraction * newest.num_slots) - newest.extras
+    sigmas = settings.over_dispatch_sigmas
+    if settings.max_lookahead_versions >= 1:
+        # The steps admitted after this one lend it their committed groups (their attempts are
+        # in flight anyway), so a shortfall is covered by borrowing, while a surplus can only
+        # be carried `max_lookahead_versions` steps. The margin is taken below the expected
+        # need: a few slots borrow rather than many groups expire unused.
+        sigmas = -sigmas
+    add = decisions.extra_attempts(need, int(live or 0), p, sigmas, max(0, cap))
     sent = 0
-    for step in steps:
-        need = step.num_slots - step.shrunk - step.committed
-        cap = math.floor(settings.over_dispatch_max_fraction * step.num_slots) - step.extras
-        add = decisions.extra_attempts(need, int(live.get(step.step, 0)), p, settings.over_dispatch_sigmas, max(0, cap))
-        for _ in range(add):
-            spare = take_spare(ctx)
-            if spare is None:
-                return sent
-            spare.taken_by = dispatch(ctx, step=step.step, slot=None, prompt_id=spare.prompt_id, reason=AttemptReason.EXTRA)
-            step.extras += 1
-            sent += 1
+    for _ in range(add):
+        spare = take_spare(ctx)
+        if spare is None:
+            break
+        spare.taken_by = dispatch(ctx, step=newest.step, slot=None, prompt_id=spare.prompt_id, reason=AttemptReason.EXTRA)
+        newest.extras += 1
+        sent += 1
     return sent
+
+
+def reaim_stranded_extras(ctx: RunContext) -> int:
+    """Move the unstarted extras of steps that are no longer open to the newest open step (with
+    that step's staleness floor); returns how many moved. Call after a flush."""
+    target = ctx.session.scalar(
+        select(func.max(Step.step)).where(Step.run_id == ctx.run.id, Step.status == StepStatus.OPEN.value)
+    )
+    if target is None:
+        return 0
+    floor = max(0, target - ctx.settings.max_lookahead_versions)
+    settled = select(Step.step).where(Step.run_id == ctx.run.id, Step.status != StepStatus.OPEN.value)
+    moved = ctx.session.execute(
+        update(Attempt)
+        .where(
+            Attempt.run_id == ctx.run.id,
+            Attempt.slot_idx.is_(None),
+            Attempt.state.in_(_UNSTARTED),
+            Attempt.step.in_(settled),
+        )
+        .values(
+            step=target,
+            min_weight_version=case((Attempt.min_weight_version < floor, floor), else_=Attempt.min_weight_version),
+        )
+        .returning(Attempt.id)
+        .execution_options(synchronize_session=False)
+    ).scalars().all()
+    for attempt_id in moved:
+        obj = ctx.session.identity_map.get(identity_key(Attempt, attempt_id))
+        if obj is not None:
+            ctx.session.expire(obj)
+    return len(moved)
+
+
+def tail_slots(num_slots: int) -> int:
+    return max(1, math.ceil(TAIL_FRACTION * num_slots))
+
+
+def displaceable(ctx: RunContext, candidates: Sequence[SlotView]) -> list[SlotView]:
+    """The candidates (open slots) a group that serves no slot of its own may fill.
+
+    Filling a slot turns the slot's live attempt into an extra of the step. Left out are slots
+    whose live attempt is generating with weights too old for any later step (`min_weight_version
+    + max_lookahead_versions <= step`): it would most likely come back after the step filled,
+    when no slot it may fill is open, and be lost. The exception is a step in its tail (see
+    `TAIL_FRACTION`), which should not wait on its slowest generations.
+    """
+    if not candidates:
+        return []
+    lookahead = ctx.settings.max_lookahead_versions
+    tail: dict[int, bool] = {}
+    check: list[tuple[int, int]] = []
+    for view in candidates:
+        if view.step not in tail:
+            step = ctx.step(view.step)
+            tail[view.step] = step.num_slots - step.committed - step.shrunk <= tail_slots(step.num_slots)
+        if not tail[view.step] and (view.step, view.idx) not in ctx.new_live:
+            check.append((view.step, view.idx))
+    if not check:
+        return list(candidates)
+    blocked: set[tuple[int, int]] = set()
+    for attempt_id, step, idx in ctx.session.execute(
+        select(Attempt.id, Attempt.step, Attempt.slot_idx).where(
+            Attempt.run_id == ctx.run.id,
+            Attempt.state == _RUNNING,
+            tuple_(Attempt.step, Attempt.slot_idx).in_(check),
+            Attempt.min_weight_version + lookahead <= Attempt.step,
+        )
+    ).all():
+        # The database has not seen this transaction's changes (no flush here): an attempt
+        # that finished, or moved, in this transaction no longer blocks its slot.
+        obj = ctx.session.identity_map.get(identity_key(Attempt, attempt_id))
+        if obj is not None:
+            loaded = obj.__dict__
+            if loaded.get("state", _RUNNING) != _RUNNING or (
+                loaded.get("step", step), loaded.get("slot_idx", idx)
+            ) != (step, idx):
+                continue
+        blocked.add((step, idx))
+    return [v for v in candidates if (v.step, v.idx) not in blocked]
+
+
+def fill_tails_from_parked(ctx: RunContext) -> int:
+    """Fill the open slots of steps in their tail with parked groups they may train (oldest
+    weights first), their live attempts becoming extras; returns how many were filled.
+
+    A parked group is surplus that no filtered slot has borrowed yet; at the release of the
+    last step its weights may train in, it is lost. A step's last slots wait on its slowest
+    generations: filling them with parked groups releases the step sooner at no extra loss.
+    """
+    filled = 0
+    lookahead = ctx.settings.max_lookahead_versions
+    steps = ctx.session.scalars(
+        select(Step).where(Step.run_id == ctx.run.id, Step.status == StepStatus.OPEN.value).order_by(Step.step)
+    ).all()
+    for step in steps:
+        open_count = step.num_slots - step.committed - step.shrunk
+        if not 0 < open_count <= tail_slots(step.num_slots):
+            continue
+        groups = ctx.session.scalars(
+            select(Group)
+            .where(
+                Group.run_id == ctx.run.id,
+                Group.parked.is_(True),
+                Group.weight_version >= step.step - lookahead,
+                Group.weight_version <= step.step,
+            )
+            .order_by(Group.weight_version, Group.attempt_id)
+            .limit(open_count)
+        ).all()
+        if not groups:
+            continue
+        slots = ctx.session.scalars(
+            select(Slot)
+            .where(Slot.run_id == ctx.run.id, Slot.step == step.step, Slot.status == SlotStatus.OPEN.value)
+            .order_by(Slot.needs_replacement.desc(), Slot.idx)
+            .limit(len(groups))
+        ).all()
+        for slot, group in zip(slots, groups, strict=False):
+            if step.status != StepStatus.OPEN.value:
+                break
+            release_to_extra(ctx, slot)
+            fill(ctx, slot, group, moved=True)
+            filled += 1
+    return filled

@@ -381,6 +381,11 @@ def place(ctx: RunContext, group: Group, own: Slot | None) -> Slot | None:
     view = GroupView(group.attempt_id, group.weight_version, None, None)
     own_view = SlotView(own.step, own.idx, own.needs_replacement) if own is not None else None
     candidates: Sequence[SlotView] = placement_candidates(ctx, group, own)
+    if own is None:
+        # Not a slot whose attempt would most likely come back too late to be trained.
+        from refill.models.overdispatch import displaceable  # it imports this module
+
+        candidates = displaceable(ctx, candidates)
     for _ in range(8):
         choice = ctx.sampler.place(view, own_view, candidates)
         if choice is None:
@@ -516,7 +521,12 @@ def aimed_slot(ctx: RunContext, attempt: Attempt) -> Slot | None:
     if attempt.slot_idx is None:
         return None
     slot = ctx.slot(attempt.step, attempt.slot_idx)
-    return slot if slot.status == SlotStatus.OPEN.value else None
+    if slot.status != SlotStatus.OPEN.value:
+        return None
+    # Called as the attempt finishes: if an extra fills the slot later in this transaction,
+    # this attempt stays in the slot's history (see RunContext.release_later).
+    ctx.served_slot.add(attempt.id)
+    return slot
 
 
 # --- run end -----------------------------------------------------------------------------

@@ -114,7 +114,18 @@ def test_sigkill_the_consumer_mid_batch(fleet, fault_ledger) -> None:
     # back (visibility timeout + restart, ~8 s): the redelivered results are then recorded,
     # not refused as late.
     run_id = fleet.create_run(
-        fault_ledger, merged(FAULT_RUN, {"grpo": {"max_num_steps": 6}, "generation": {"lease_seconds": 15}})
+        fault_ledger,
+        merged(
+            FAULT_RUN,
+            {
+                "grpo": {"max_num_steps": 6},
+                "generation": {"lease_seconds": 15},
+                # With extras in flight the run can fill the held attempts' slots and finish
+                # before Redis redelivers (it did, in 7 s): the held results would then be
+                # refused as the run's, proving nothing about redelivery.
+                "async_rl": {"over_dispatch": {"enabled": False}},
+            },
+        ),
     )
 
     def holding(session) -> bool:
