@@ -1,0 +1,1 @@
+"""Benchmarks of refill: `python -m bench fill ...` (see bench/README.md)."""

@@ -1,0 +1,391 @@
+"""`python -m bench overhead`: the ledger time one large step costs the controller side.
+
+One step of `--groups` (4096) groups at zero-variance fraction `--p` (0.33), with zero
+generation latency, driven through the ledger API in this process on a fresh PostgreSQL
+database (no broker, no workers), the way the fleet's roles call it:
+
+admission   `admit_steps` (the controller): the step's slots, first attempts, extras (adaptive
+            over-dispatch) and outbox rows, and the spare pool
+relay       `claim_outbox` + `mark_sent` (the relay), every generate message of the step,
+            replacements included, `--relay-batch` rows per transaction (the controller's
+            relay takes up to 1000; the consumer relays what each batch wrote)
+record      `record_results` (the consumer), `--batch` results per transaction (the
+            consumer's group commit: `infra.consumer_batch_size`, 64), excluding the step's
+            release
+release     the barrier's release inside the last batch: `maybe_release` minus its metrics
+metrics     `record_release_metrics` (part of the release transaction)
+
+Printed beside them, not part of the total: the generation workers' lease handshakes
+(`start_attempt`, one transaction per attempt, in the workers' processes) and the trainer's
+`claim_training` (reads the released batch).
+
+Results come from the `sim` back-end's model (prompt difficulty, n completions of
+`tokens_per_completion` tokens, `refill.rewards.sim:solved`), made outside the timers. `--profile`
+prints the top functions (cumulative time) of the record phase, where the time goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import hashlib
+import io
+import json
+import os
+import pstats
+import statistics
+import sys
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+def run_config(args: argparse.Namespace) -> dict[str, Any]:
+    prompts = int(args.groups / (1 - args.p) * 1.6) + 3 * args.groups
+    return {
+        "run": {"seed": 5, "name": "overhead"},
+        "data": {"builtin": "arith", "builtin_size": prompts},
+        "generation": {
+            "backend": "sim",
+            "lease_seconds": 600,
+            "queue_timeout_seconds": 3600,
+            "sim": {"zero_variance_fraction": args.p, "latency": {"distribution": "constant", "mean_seconds": 0.0}},
+        },
+        "reward": {"function": "refill.rewards.sim:solved"},
+        "grpo": {
+            "num_prompts_per_step": args.groups,
+            "num_generations_per_prompt": args.n,
+            "max_num_steps": 1,
+            "max_num_epochs": None,
+            "use_dynamic_sampling": True,
+        },
+        "async_rl": {"max_lookahead_versions": 1, "over_dispatch": {"enabled": not args.no_over_dispatch}},
+        "infra": {"trainer": "null"},
+    }
+
+
+PHASE = [""]
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of these processes (the ledger's PostgreSQL backends)."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+class Timers:
+    """Wall time, this process's CPU time and the database backends' CPU time, per phase."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.cpu: dict[str, float] = defaultdict(float)
+        self.db_cpu: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self.backends: list[int] = []
+
+    @contextmanager
+    def time(self, name: str):  # type: ignore[no-untyped-def]
+        PHASE[0] = name
+        db_started = cpu_seconds(self.backends)
+        cpu_started = time.process_time()
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - started
+            self.cpu[name] += time.process_time() - cpu_started
+            self.db_cpu[name] += cpu_seconds(self.backends) - db_started
+            self.calls[name] += 1
+            PHASE[0] = ""
+
+
+def one_step(
+    url: str, args: argparse.Namespace, profile: cProfile.Profile | None, phase: str | None = None
+) -> tuple[Timers, dict[str, int]]:
+    from refill.models import metrics as metrics_module
+    from refill.models import slots as slots_module
+    from refill.models.admission import admit_steps
+    from refill.models.config import config_from_dict
+    from refill.models.dataset import load_dataset
+    from refill.models.db import Ledger
+    from refill.models.leases import start_attempt
+    from refill.models.outbox import claim_outbox, mark_sent
+    from refill.models.payload import GenerateMessage, ResultMessage
+    from refill.models.results import Outcome, record_results
+    from refill.models.runs import PromptRow, create_run, publish_initial_weights, start_run
+    from refill.models.training import claim_training
+    from refill.rewards.loader import load_reward_fn
+    from refill.rewards.scoring import score_group
+    from refill.tasks.backends.base import GenerationRequest
+    from refill.tasks.backends.sim import SimEngine
+    from refill.tasks.setup import format_prompt
+
+    timers = Timers()
+    ledger = Ledger(url)
+    statements: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    if args.statements:
+        from sqlalchemy import event
+
+        @event.listens_for(ledger.engine, "before_cursor_execute")
+        def before(conn, cursor, statement, parameters, context, executemany):  # type: ignore[no-untyped-def]
+            conn.info["bench_started"] = time.perf_counter()
+
+        @event.listens_for(ledger.engine, "after_cursor_execute")
+        def after(conn, cursor, statement, parameters, context, executemany):  # type: ignore[no-untyped-def]
+            phase = current_phase[0]
+            if phase:
+                entry = statements[f"{phase}: {' '.join(statement.split())[:90]}"]
+                entry[0] += 1
+                entry[1] += time.perf_counter() - conn.info.pop("bench_started", time.perf_counter())
+
+    current_phase = PHASE
+    raw = run_config(args)
+    config = config_from_dict(raw, name="overhead")
+    snapshot = config.snapshot()
+    rows = load_dataset(config)
+    prompts = [PromptRow(text=format_prompt(config.data.prompt_template, row), row=row) for row in rows]
+
+    def create(session):  # type: ignore[no-untyped-def]
+        run = create_run(
+            session,
+            name="overhead",
+            config=snapshot,
+            config_hash=hashlib.sha256(json.dumps(snapshot, sort_keys=True).encode()).hexdigest(),
+            prompts=prompts,
+            data_fingerprint="bench",
+            output_dir="/tmp/refill-bench-overhead",
+        )
+        session.flush()
+        publish_initial_weights(session, run.id, None)
+        return run.id
+
+    run_id = ledger.transaction(create)
+    # The pool hands this single thread the same connection every time; read its backend's CPU.
+    from sqlalchemy import text
+
+    timers.backends = [ledger.transaction(lambda s: s.execute(text("select pg_backend_pid()")).scalar_one())]
+    ledger.transaction(lambda s: start_run(s, run_id, "bench-controller"))
+    engine = SimEngine.from_config(snapshot)
+    engine.weight_version = 0
+    reward_fn = load_reward_fn("refill.rewards.sim:solved", None)
+
+    # Time the release's metrics apart from the rest of the release.
+    real_metrics = metrics_module.record_release_metrics
+
+    def timed_metrics(ctx, step):  # type: ignore[no-untyped-def]
+        with timers.time("metrics"):
+            return real_metrics(ctx, step)
+
+    metrics_module.record_release_metrics = timed_metrics
+    real_release = slots_module.maybe_release
+
+    def timed_release(ctx, step):  # type: ignore[no-untyped-def]
+        started = time.perf_counter()
+        released = real_release(ctx, step)
+        if released:
+            timers.seconds["release"] += time.perf_counter() - started
+        return released
+
+    slots_module.maybe_release = timed_release
+    counts: dict[str, int] = defaultdict(int)
+    try:
+        if profile is not None and phase == "admission":
+            profile.enable()
+        with timers.time("admission"):
+            admitted = ledger.transaction(lambda s: admit_steps(s, run_id))
+        if profile is not None and phase == "admission":
+            profile.disable()
+        assert admitted.steps == [0], admitted.steps
+        pending: list[dict[str, Any]] = []  # generate messages relayed, not yet finished
+        while True:
+            # relay everything due
+            while True:
+                if profile is not None and phase == "relay":
+                    profile.enable()
+                with timers.time("relay"):
+                    sent = ledger.transaction(
+                        lambda s: _relay(s, claim_outbox, mark_sent, args.relay_batch)
+                    )
+                if profile is not None and phase == "relay":
+                    profile.disable()
+                if not sent:
+                    break
+                counts["messages"] += len(sent)
+                pending.extend(m.body for m in sent if m.kind == "generate")
+                counts["train_step messages"] += sum(1 for m in sent if m.kind == "train_step")
+            if counts["train_step messages"]:
+                break
+            if not pending:
+                raise RuntimeError("nothing in flight and the step is not released")
+            batch, pending = pending[: args.batch], pending[args.batch :]
+            results = []
+            for body in batch:
+                message = GenerateMessage.from_json(body)
+                if profile is not None and phase == "lease":
+                    profile.enable()
+                with timers.time("lease handshakes"):
+                    lease = ledger.transaction(
+                        lambda s, a=message.attempt_id: start_attempt(s, a, "bench-worker", None, 0)
+                    )
+                if profile is not None and phase == "lease":
+                    profile.disable()
+                if lease is None:
+                    continue
+                output = engine.generate([GenerationRequest.from_message(message)])[0]
+                rewards = score_group(reward_fn, [c.text for c in output.completions], message.row)
+                results.append(
+                    ResultMessage(
+                        run_id=run_id,
+                        attempt_id=message.attempt_id,
+                        worker="bench-worker",
+                        weight_version=0,
+                        prompt_token_ids=output.prompt_token_ids,
+                        completions=output.completions,
+                        rewards=rewards,
+                    ).to_json()
+                )
+            if not results:
+                continue
+            # The consumer decodes each body it receives; decoding is part of its cost.
+            before = timers.seconds["release"]
+            if profile is not None and phase == "record":
+                profile.enable()
+            with timers.time("record"):
+                decoded = [ResultMessage.from_json(r) for r in results]
+                recorded = ledger.transaction(lambda s, d=decoded: record_results(s, d))
+            if profile is not None and phase == "record":
+                profile.disable()
+            timers.seconds["record"] -= timers.seconds["release"] - before
+            for outcome in recorded.outcomes:
+                counts[outcome.outcome.value] += 1
+            counts["results"] += len(recorded.outcomes)
+            counts["record batches"] += 1
+        with timers.time("trainer claim"):
+            batch = ledger.transaction(lambda s: claim_training(s, run_id, 0, "bench-trainer"))
+        assert batch is not None and len(batch.groups) == args.groups, "the step did not release whole"
+        counts["trained groups"] = len(batch.groups)
+        assert counts[Outcome.COMMITTED.value] >= args.groups
+    finally:
+        metrics_module.record_release_metrics = real_metrics
+        slots_module.maybe_release = real_release
+        timers.seconds["release"] -= timers.seconds["metrics"]
+        ledger.dispose()
+    if statements:
+        print("statements by phase (this round): count, seconds in the driver (server included)")
+        for key, (number, seconds) in sorted(statements.items(), key=lambda kv: -kv[1][1]):
+            print(f"  {number:7d} {seconds:7.3f}  {key}")
+    return timers, counts
+
+
+def _relay(session, claim_outbox, mark_sent, limit):  # type: ignore[no-untyped-def]
+    from refill.models.context import utcnow
+
+    now = utcnow()
+    sent = claim_outbox(session, claimer="bench-relay", now=now, limit=limit)
+    mark_sent(session, sent, now)
+    return sent
+
+
+def load_average() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"{one:.2f} {five:.2f} {fifteen:.2f}"
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench overhead", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--groups", type=int, default=4096, help="N, groups of the step")
+    parser.add_argument("--p", type=float, default=0.33, help="zero-variance fraction")
+    parser.add_argument("--n", type=int, default=16, help="completions per group")
+    parser.add_argument("--batch", type=int, default=64, help="results per consumer transaction")
+    parser.add_argument("--relay-batch", type=int, default=1000, help="outbox rows per relay transaction")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--no-over-dispatch", action="store_true", help="turn adaptive over-dispatch off")
+    parser.add_argument(
+        "--profile", nargs="?", const="record", default=None,
+        help="profile one phase of the last round with cProfile: record (default), admission, relay, lease",
+    )
+    parser.add_argument("--statements", action="store_true", help="count SQL statements per phase")
+    parser.add_argument("--target", type=float, default=2.0, help="seconds")
+    return parser.parse_args(argv)
+
+
+PHASES = ("admission", "relay", "record", "release", "metrics")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    from refill.models.migrate import upgrade
+    from tests.support.databases import temporary_pg_database
+
+    print(
+        f"overhead: one step of {args.groups} groups, p={args.p}, n={args.n}, consumer batches of "
+        f"{args.batch}, PostgreSQL, {os.cpu_count()} CPUs, load average {load_average()}",
+        flush=True,
+    )
+    rounds: list[Timers] = []
+    # CPU time, not wall time: waits on the database (and on other processes for a core) drop out.
+    profile = cProfile.Profile(time.process_time) if args.profile else None
+    counts: dict[str, int] = {}
+    for i in range(args.repeat):
+        with temporary_pg_database("refill_bench_overhead") as url:
+            upgrade(url)
+            timers, counts = one_step(url, args, profile if i == args.repeat - 1 else None, args.profile)
+        rounds.append(timers)
+        total = sum(timers.seconds[p] for p in PHASES)
+        cpu = sum(timers.cpu[p] + timers.db_cpu[p] for p in PHASES)
+        print(
+            f"  round {i + 1}: total {total:.2f} s wall, {cpu:.2f} s CPU (this process + its "
+            f"database backend)  ("
+            + ", ".join(f"{p} {timers.seconds[p]:.2f}" for p in PHASES)
+            + f")  lease handshakes {timers.seconds['lease handshakes']:.2f} s, trainer claim "
+            f"{timers.seconds['trainer claim']:.2f} s   load {load_average()}",
+            flush=True,
+        )
+    print()
+    print(
+        f"results recorded {counts['results']} ({counts.get('COMMITTED', 0)} committed, "
+        f"{counts.get('FILTERED', 0)} filtered, {counts.get('FAILED', 0)} failed) in "
+        f"{counts['record batches']} batches; messages relayed {counts['messages']}"
+    )
+    results = counts["results"]
+    print(f"{'phase (median of rounds)':30}{'wall s':>9}{'per result ms':>15}{'CPU s: bench':>14}{'db':>7}")
+
+    def row(name: str, phases: tuple[str, ...], note: str = "") -> float:
+        wall = statistics.median(sum(t.seconds[p] for p in phases) for t in rounds)
+        cpu = statistics.median(sum(t.cpu[p] for p in phases) for t in rounds)
+        db = statistics.median(sum(t.db_cpu[p] for p in phases) for t in rounds)
+        print(f"{name:30}{wall:9.3f}{wall / results * 1000:15.3f}{cpu:14.3f}{db:7.3f}{note}")
+        return wall
+
+    for phase in PHASES:
+        row(phase, (phase,))
+    total = statistics.median(sum(t.seconds[p] for p in PHASES) for t in rounds)
+    verdict = "met" if total <= args.target else f"NOT met (over by {total - args.target:.2f} s)"
+    row("controller overhead", PHASES, f"   target <= {args.target:.1f} s wall: {verdict}")
+    for extra in ("lease handshakes", "trainer claim"):
+        row(extra + " (not counted)", (extra,))
+    print(f"load average after: {load_average()}")
+    if profile is not None:
+        out = io.StringIO()
+        stats = pstats.Stats(profile, stream=out)
+        stats.sort_stats("cumulative").print_stats(45)
+        stats.sort_stats("tottime").print_stats(45)
+        print(f"\nprofile of the {args.profile} phase (last round), by cumulative time:")
+        print(out.getvalue())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

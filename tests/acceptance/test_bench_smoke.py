@@ -1,0 +1,44 @@
+"""The benchmarks keep working: `python -m bench fill` and `python -m bench overhead` at a
+small size print every figure their README promises. (The figures themselves are measured by
+running the benchmarks at full size, never asserted here: a timed test is a flaky test.)"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_bench(*args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", *args], cwd=REPO, capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def test_fill_bench_prints_three_strategies_with_staleness_in_bound() -> None:
+    out = run_bench(
+        "fill", "--prompts", "16", "--steps", "4", "--p", "0.33", "--lookahead", "1",
+        "--workers", "2", "--in-flight", "8", "--processes", "1",
+    )
+    rows = {}
+    for line in out.splitlines():
+        match = re.match(r"\s+(serial|batch|refill) \(lookahead 1.*?\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(\d+)\s+([\d.]+)%\s+(\d+) \(<= 1\)", line)
+        if match:
+            rows[match.group(1)] = match
+    assert set(rows) == {"serial", "batch", "refill"}, out
+    for match in rows.values():
+        assert int(match.group(7)) <= 1  # max staleness within max_lookahead_versions
+    assert "bound = max(L, N / ((1 - p) * W * C) * L)" in out
+
+
+def test_overhead_bench_prints_each_phase_and_the_target() -> None:
+    out = run_bench("overhead", "--groups", "64", "--repeat", "1")
+    for phase in ("admission", "relay", "record", "release", "metrics", "controller overhead"):
+        assert re.search(rf"^{phase}\s+[\d.]+\s+[\d.]+", out, re.MULTILINE), (phase, out)
+    assert re.search(r"results recorded (\d+) \((\d+) committed", out), out
+    assert "target <= 2.0 s wall" in out
