@@ -131,6 +131,8 @@ class RunContext:
     #: attempts that finished in this transaction while serving their open slot: they keep
     #: the slot when it is later handed to an extra (they are part of its history)
     served_slot: set[int] = field(default_factory=set)
+    #: running slot attempts whose weights are too old for a later step (overdispatch)
+    old_running: dict[tuple[int, int], int] | None = None
     _spares_db: deque[SparePrompt] | None = None
     _spares_db_done: bool = False
     _spares_last_id: int = 0

@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from sqlalchemy import case, func, select, tuple_, update
+from sqlalchemy import case, func, select, update
 from sqlalchemy.orm.util import identity_key
 
 from refill.models import decisions
@@ -161,37 +161,48 @@ def displaceable(ctx: RunContext, candidates: Sequence[SlotView]) -> list[SlotVi
     """
     if not candidates:
         return []
-    lookahead = ctx.settings.max_lookahead_versions
     tail: dict[int, bool] = {}
-    check: list[tuple[int, int]] = []
+    old = _running_with_old_weights(ctx)
+    blocked: set[tuple[int, int]] = set()
     for view in candidates:
+        key = (view.step, view.idx)
         if view.step not in tail:
             step = ctx.step(view.step)
             tail[view.step] = step.num_slots - step.committed - step.shrunk <= tail_slots(step.num_slots)
-        if not tail[view.step] and (view.step, view.idx) not in ctx.new_live:
-            check.append((view.step, view.idx))
-    if not check:
-        return list(candidates)
-    blocked: set[tuple[int, int]] = set()
-    for attempt_id, step, idx in ctx.session.execute(
-        select(Attempt.id, Attempt.step, Attempt.slot_idx).where(
-            Attempt.run_id == ctx.run.id,
-            Attempt.state == _RUNNING,
-            tuple_(Attempt.step, Attempt.slot_idx).in_(check),
-            Attempt.min_weight_version + lookahead <= Attempt.step,
-        )
-    ).all():
-        # The database has not seen this transaction's changes (no flush here): an attempt
-        # that finished, or moved, in this transaction no longer blocks its slot.
+        attempt_id = old.get(key)
+        if attempt_id is None or tail[view.step] or key in ctx.new_live:
+            continue
+        # An attempt that finished, or moved, in this transaction no longer blocks its slot.
         obj = ctx.session.identity_map.get(identity_key(Attempt, attempt_id))
         if obj is not None:
             loaded = obj.__dict__
             if loaded.get("state", _RUNNING) != _RUNNING or (
-                loaded.get("step", step), loaded.get("slot_idx", idx)
-            ) != (step, idx):
+                loaded.get("step", view.step), loaded.get("slot_idx", view.idx)
+            ) != key:
                 continue
-        blocked.add((step, idx))
+        blocked.add(key)
     return [v for v in candidates if (v.step, v.idx) not in blocked]
+
+
+def _running_with_old_weights(ctx: RunContext) -> dict[tuple[int, int], int]:
+    """Slot -> its running attempt, for attempts generating with weights too old for any step
+    after theirs (`min_weight_version + max_lookahead_versions <= step`). Read once per
+    transaction: a batch places hundreds of extras, and attempts that start meanwhile (in the
+    workers' transactions) are the ones a snapshot may miss, which only makes a slot eligible."""
+    if ctx.old_running is None:
+        lookahead = ctx.settings.max_lookahead_versions
+        ctx.old_running = {
+            (step, idx): attempt_id
+            for attempt_id, step, idx in ctx.session.execute(
+                select(Attempt.id, Attempt.step, Attempt.slot_idx).where(
+                    Attempt.run_id == ctx.run.id,
+                    Attempt.state == _RUNNING,
+                    Attempt.slot_idx.is_not(None),
+                    Attempt.min_weight_version + lookahead <= Attempt.step,
+                )
+            ).all()
+        }
+    return ctx.old_running
 
 
 def fill_tails_from_parked(ctx: RunContext) -> int:
