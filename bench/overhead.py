@@ -41,6 +41,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from bench.machine import load_average, process_cpu
+
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
@@ -75,14 +77,7 @@ PHASE = [""]
 
 def cpu_seconds(pids: list[int]) -> float:
     """User + system CPU seconds of these processes (the ledger's PostgreSQL backends)."""
-    total = 0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
+    return sum(process_cpu(pid) for pid in pids)
 
 
 class Timers:
@@ -296,11 +291,6 @@ def _relay(session, claim_outbox, mark_sent, limit):  # type: ignore[no-untyped-
     sent = claim_outbox(session, claimer="bench-relay", now=now, limit=limit)
     mark_sent(session, sent, now)
     return sent
-
-
-def load_average() -> str:
-    one, five, fifteen = os.getloadavg()
-    return f"{one:.2f} {five:.2f} {fifteen:.2f}"
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

@@ -49,6 +49,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.machine import load_average, process_cpu
+
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
@@ -370,15 +372,6 @@ def purge(redis_url: str, prefix: str) -> None:
     client.close()
 
 
-def process_cpu(pid: int) -> float:
-    """User + system CPU seconds of a process and its finished children."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
-
-
 def pids_named(word: str) -> list[int]:
     found = []
     for entry in Path("/proc").iterdir():
@@ -399,7 +392,7 @@ class CpuMeter:
         self.started: dict[str, float] = {}
 
     def read(self) -> dict[str, float]:
-        return {name: sum(process_cpu(pid) for pid in pids) for name, pids in self.groups.items()}
+        return {name: sum(process_cpu(pid, children=True) for pid in pids) for name, pids in self.groups.items()}
 
     def __enter__(self) -> CpuMeter:
         self.started = self.read()
@@ -413,11 +406,6 @@ class CpuMeter:
 
 def cpu_line(cpu: dict[str, float]) -> str:
     return ", ".join(f"{name} {ms:.2f}" for name, ms in cpu.items()) + f" (sum {sum(cpu.values()):.2f})"
-
-
-def load_average() -> str:
-    one, five, fifteen = os.getloadavg()
-    return f"{one:.2f} {five:.2f} {fifteen:.2f}"
 
 
 # --------------------------------------------------------------------------- main
