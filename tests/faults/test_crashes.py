@@ -91,10 +91,12 @@ def test_sigkill_a_generation_worker_mid_task(fleet, fault_ledger) -> None:
     for attempt in reaped:
         if attempt.slot_idx is None:
             continue  # an over-dispatched extra serves no slot: nothing to retry
+        # The retry may have become an extra of its step since (an extra's group filled the
+        # slot before the retry came back): it is still this prompt, generated again.
         retried = [
             a for a in attempts.values()
             if a.prompt_id == attempt.prompt_id
-            and a.reason == AttemptReason.RETRY.value
+            and a.reason in (AttemptReason.RETRY.value, AttemptReason.EXTRA.value)
             and a.try_no == attempt.try_no + 1
         ]
         assert retried, f"reaped attempt {attempt.id} was not re-dispatched on its prompt"
