@@ -201,9 +201,12 @@ class RunContext:
                 and (obj.step, obj.slot_idx) in keys
                 and obj.state not in _LIVE
                 and obj.id not in self.served_slot
+                # finished in memory, still live in the database: not one that finished in an
+                # earlier transaction and was only loaded here (a repeated result loads it)
+                and inspect(obj).committed_state.get("state") in _LIVE
             ):
-                # Still live in the database, and it finished after the slot was filled: it
-                # ran as an extra. Its own changes are written by this flush.
+                # It finished after the slot was filled: it ran as an extra. Its own changes
+                # are written by this flush.
                 finished_here.append(obj.id)
                 obj.slot_idx = None
                 obj.reason = _EXTRA

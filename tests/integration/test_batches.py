@@ -38,3 +38,22 @@ def test_a_batch_with_over_dispatch_places_extras_in_open_slots(ledger) -> None:
     live_extras = [a for a in d.live(0) if a.slot_idx is None]
     assert len(live_extras) == len(extras)  # one finished, the displaced slot attempt joined
     assert all(a.slot_idx is not None for a in d.live(0) if a.id not in {x.id for x in live_extras})
+
+
+def test_a_repeated_filtered_result_keeps_its_slot_when_an_extra_fills_the_slot(ledger) -> None:  # type: ignore[no-untyped-def]
+    """The repeat loads the filtered attempt into the batch's session; the extra that fills its
+    slot hands the slot's live replacement to the step, and only that one."""
+    d = Driver(ledger, {"async_rl": {"max_lookahead_versions": 0, "over_dispatch": {"enabled": True, "safety_sigmas": 1.0}}})
+    d.admit()
+    filtered = d.live_of(0, 1)
+    assert d.finish_one(filtered.id, FLAT).outcome is Outcome.FILTERED
+    replacement = d.live_of(0, 1)
+    assert replacement.id != filtered.id
+    extra = next(a for a in d.live(0) if a.slot_idx is None)
+    d.start(extra.id)
+    batch = d.record(d.result(filtered.id, FLAT), d.result(extra.id, SPREAD))
+    assert [r.outcome for r in batch.outcomes] == [Outcome.DUPLICATE, Outcome.COMMITTED]
+    assert d.slot(0, 1).group_attempt_id == extra.id
+    assert (d.attempt(filtered.id).step, d.attempt(filtered.id).slot_idx) == (0, 1)
+    assert d.attempt(replacement.id).slot_idx is None and d.attempt(replacement.id).reason == "extra"
+    assert d.slot(0, 1).filtered == 1

@@ -1,7 +1,8 @@
 """Seeded random walks in which results arrive in batches, as the consumer records them: a
-batch mixes commits, filtered groups, failures, extras and repeated copies of one result, and
-runs with adaptive over-dispatch on, so extras fill slots whose attempts finish in the same
-transaction. The ledger's invariants are checked after every batch."""
+batch mixes commits, filtered groups, failures, extras, repeated copies of one result and
+results redelivered after their attempt settled, with adaptive over-dispatch on, so extras fill
+slots whose attempts finish in the same transaction. The ledger's invariants are checked after
+every batch."""
 
 from __future__ import annotations
 
@@ -56,6 +57,12 @@ def walk(d: Driver, rng: random.Random, max_ops: int) -> int:
             batch.append(a_result(d, rng, attempt.id, rng.randint(attempt.min_weight_version, run.weight_version)))
             if rng.random() < 0.1:
                 batch.append(batch[-1])  # delivered twice in one batch
+        if rng.random() < 0.3:
+            # a redelivered result of an attempt settled in an earlier batch
+            done = [a for a in d.attempts() if a.state not in ("pending", "queued", "running")]
+            if done:
+                old = rng.choice(done)
+                batch.append(d.result(old.id, FLAT, old.weight_version or 0))
         rng.shuffle(batch)
         outcomes = d.record(*batch).outcomes
         firsts = {}
