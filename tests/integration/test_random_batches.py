@@ -10,8 +10,8 @@ import random
 
 import pytest
 
-from refill.models.results import Outcome
 from refill.models.payload import ResultMessage
+from refill.models.results import Outcome
 from tests.support.driver import FLAT, Driver
 from tests.support.invariants import ledger_violations
 

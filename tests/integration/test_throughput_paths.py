@@ -15,7 +15,6 @@ from refill.tasks.consumer import ResultConsumer
 from tests.support.driver import SPREAD, Driver
 
 
-
 def add_extras(d: Driver, step: int, count: int) -> list[int]:
     """Dispatch `count` extras for `step` from the spare pool (how many over-dispatch sends
     is its own business; this is about where they go)."""

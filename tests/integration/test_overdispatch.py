@@ -1,0 +1,85 @@
+"""Adaptive over-dispatch (refill/models/overdispatch.py): which step gets extras, how many, and
+what happens to extras whose step no longer needs them.
+
+The Driver's steps have 4 slots; before any group is seen the estimate of p is its prior, 0.25."""
+
+from __future__ import annotations
+
+from refill.models.results import Outcome
+from tests.support.driver import SPREAD, Driver
+
+
+def over_dispatch(lookahead: int, sigmas: float) -> dict:
+    return {"async_rl": {"max_lookahead_versions": lookahead, "over_dispatch": {"enabled": True, "safety_sigmas": sigmas}}}
+
+
+def extras(d: Driver, step: int) -> list:
+    return [a for a in d.live(step) if a.slot_idx is None]
+
+
+def test_only_the_newest_admitted_step_gets_extras(ledger) -> None:  # type: ignore[no-untyped-def]
+    d = Driver(ledger, over_dispatch(lookahead=1, sigmas=0.0))
+    assert d.admit() == [0, 1]
+    # Step 0's extras would generate with weights too old for any step after it; step 0 borrows
+    # from step 1 instead. Step 1: 4 slots at p = 0.25 need ceil(4 / 0.75) = 6 attempts.
+    assert extras(d, 0) == [] and d.step(0).extras == 0
+    assert len(extras(d, 1)) == d.step(1).extras == 2
+    assert all(a.reason == "extra" for a in extras(d, 1))
+
+
+def test_the_margin_is_above_the_need_without_lookahead_and_below_it_with(ledger) -> None:  # type: ignore[no-untyped-def]
+    # m(1-p) - z sqrt(m p (1-p)) >= 4 at p = 0.25: z = +1 needs 7 attempts, z = -1 needs 5.
+    without = Driver(ledger, over_dispatch(lookahead=0, sigmas=1.0))
+    assert without.admit() == [0]
+    assert len(extras(without, 0)) == 3
+    lending = Driver(ledger, over_dispatch(lookahead=1, sigmas=1.0))
+    assert lending.admit() == [0, 1]
+    assert len(extras(lending, 1)) == 1
+
+
+def test_unstarted_extras_of_a_released_step_move_to_the_newest_open_step(ledger) -> None:  # type: ignore[no-untyped-def]
+    d = Driver(ledger, over_dispatch(lookahead=1, sigmas=0.0))
+    d.admit()
+    stranded = [a.id for a in extras(d, 1)]
+    assert len(stranded) == 2
+    for idx in range(4):
+        assert d.commit_slot(1, idx, SPREAD, version=0).outcome is Outcome.COMMITTED
+    assert d.step(1).status == "released" and d.step(0).status == "open"
+    # Not started yet: they can still serve step 0, with step 0's staleness floor.
+    moved = [d.attempt(a) for a in stranded]
+    assert [(a.step, a.slot_idx, a.state) for a in moved] == [(0, None, "pending")] * 2
+    assert all(a.min_weight_version == 0 for a in moved)
+
+
+def test_an_extra_does_not_displace_an_attempt_generating_with_weights_too_old_for_a_later_step(ledger) -> None:  # type: ignore[no-untyped-def]
+    # Without lookahead every running attempt of step 0 is generating with weights no later
+    # step may train: displaced, it would come back to a full step and be lost.
+    d = Driver(ledger, over_dispatch(lookahead=0, sigmas=1.0))
+    d.admit()
+    running = d.live_of(0, 0)
+    d.start(running.id)
+    first, second = extras(d, 0)[:2]
+    assert d.finish_one(first.id, SPREAD).outcome is Outcome.COMMITTED
+    assert d.slot(0, 0).status == "open" and d.live_of(0, 0).id == running.id
+    assert d.slot(0, 1).group_attempt_id == first.id  # the next slot, whose attempt had not started
+    for idx in (2, 3):
+        d.commit_slot(0, idx)
+    # Step 0's last open slot is its tail: it no longer waits on its slowest generation.
+    assert d.finish_one(second.id, SPREAD).outcome is Outcome.COMMITTED
+    assert d.slot(0, 0).group_attempt_id == second.id and d.step(0).status == "released"
+    assert d.attempt(running.id).slot_idx is None  # an extra now: cancelled with the step
+
+
+def test_a_parked_group_fills_the_last_open_slot_of_a_step(ledger) -> None:  # type: ignore[no-untyped-def]
+    d = Driver(ledger, over_dispatch(lookahead=0, sigmas=1.0))
+    d.admit()
+    d.start_all([d.live_of(0, idx).id for idx in range(4)])
+    extra = extras(d, 0)[0]
+    # Every open slot's attempt is running with old weights: the group has nowhere to go.
+    assert d.finish_one(extra.id, SPREAD).outcome is Outcome.COMMITTED
+    assert d.group(extra.id).parked
+    for idx in (1, 2, 3):
+        d.commit_slot(0, idx)
+    # The step is down to its last slot: the parked group fills it rather than wait for (0, 0).
+    assert d.slot(0, 0).group_attempt_id == extra.id and not d.group(extra.id).parked
+    assert d.step(0).status == "released"
