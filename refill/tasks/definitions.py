@@ -24,14 +24,22 @@ def register(app: Celery) -> None:
 
     @app.task(name=TASK_GENERATE, bind=True, shared=False)
     def generate(self: Task, body: dict[str, Any]) -> str:
-        try:
-            message = GenerateMessage.from_json(body)
-        except PayloadError as error:
-            # A malformed message can never succeed; acknowledge it and say why. Its attempt
-            # (if any) is re-dispatched by the reaper when its lease runs out.
-            log.error("refused generate message: %s", error)
-            raise Reject(str(error), requeue=False) from error
-        return runtime_for(self.app).generation().run(message)
+        # One attempt, or a bundle of a run's attempts the relay sent together.
+        bundle = body.get("bundle") if isinstance(body, dict) else None
+        items = bundle if isinstance(bundle, list) else [body]
+        messages = []
+        for item in items:
+            try:
+                messages.append(GenerateMessage.from_json(item))
+            except PayloadError as error:
+                # A malformed message can never succeed; acknowledge it and say why. Its
+                # attempt (if any) is re-dispatched by the reaper when its lease runs out.
+                log.error("refused generate message: %s", error)
+                if len(items) == 1:
+                    raise Reject(str(error), requeue=False) from error
+        if not messages:
+            raise Reject("a generate bundle with no valid attempt", requeue=False)
+        return runtime_for(self.app).generation().run_all(messages)
 
     @app.task(name=TASK_RECORD_RESULT, bind=True, shared=False, max_retries=None)
     def record_result(self: Task, body: dict[str, Any]) -> str:

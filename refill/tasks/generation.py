@@ -14,7 +14,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +38,8 @@ log = logging.getLogger(__name__)
 
 #: Seconds a worker reuses its answer to "which weights are newest" (see _newest_weights).
 WEIGHTS_TTL = 0.05
+#: Threads that run the attempts of bundled generate messages, per worker process.
+BUNDLE_THREADS = 256
 
 
 def estimated_result_bytes(output: GenerationOutput) -> int:
@@ -79,6 +83,28 @@ class GenerationService:
             self._take_leases, max_batch=64, max_wait_ms=0.0, name="lease-handshakes"
         )
         self._weights: dict[int, tuple[float, tuple[int, str | None] | None]] = {}
+        # Threads for the attempts of bundled messages (started as needed): each task thread
+        # may hand over up to relay.GENERATE_BUNDLE attempts at once.
+        self._bundle_pool = ThreadPoolExecutor(max_workers=BUNDLE_THREADS, thread_name_prefix="generate")
+
+    # --- a bundle of attempts --------------------------------------------------------------
+
+    def run_all(self, messages: list[GenerateMessage]) -> str:
+        """Run the attempts of one message concurrently (their lease handshakes share a
+        transaction and the engine batches them); returns when every one has ended, so the
+        message is acknowledged only after each result was sent. An error is raised after
+        the others finished."""
+        if len(messages) == 1:
+            return self.run(messages[0])
+        futures = [self._bundle_pool.submit(self.run, message) for message in messages]
+        wait(futures)
+        outcomes = Counter()
+        for future in futures:
+            error = future.exception()
+            if error is not None:
+                raise error
+            outcomes[future.result()] += 1
+        return ", ".join(f"{outcome} x{n}" for outcome, n in sorted(outcomes.items()))
 
     # --- one attempt -------------------------------------------------------------------
 
@@ -226,6 +252,7 @@ class GenerationService:
         return found
 
     def close(self) -> None:
+        self._bundle_pool.shutdown(wait=True)
         self._handshakes.close(timeout=30)
         self.leases.close()
         with self._lock:

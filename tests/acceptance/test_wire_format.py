@@ -44,3 +44,23 @@ def test_pickle_messages_are_refused(running_fleet, fleet_ledger) -> None:
     assert _wait_for(lambda: "'skipped'" in running_fleet.log("generate")[generate_log:])
     with fleet_ledger.session() as session:
         assert session.get(Attempt, 999_999) is None
+
+
+def test_a_bundle_runs_each_attempt_and_refuses_only_its_malformed_item(running_fleet, fleet_ledger) -> None:
+    """The relay sends a run's attempts together as {"bundle": [...]}; a worker runs every
+    attempt of it (here none was dispatched, so each is skipped by its lease handshake) and
+    refuses a malformed item without losing the others."""
+    app = running_fleet.app
+    bodies = [
+        GenerateMessage(
+            run_id=999_998, attempt_id=999_990 + i, prompt="1+1=", row={"prompt": "1+1="}, n=2,
+            temperature=1.0, top_p=1.0, max_new_tokens=4, seed=1, min_weight_version=0,
+        ).to_json()
+        for i in range(3)
+    ]
+    generate_log = len(running_fleet.log("generate"))
+    app.send_task(
+        TASK_GENERATE, args=[{"bundle": [*bodies, {"run_id": 999_998}]}], queue=GENERATE, routing_key=GENERATE
+    )
+    assert _wait_for(lambda: "'skipped x3'" in running_fleet.log("generate")[generate_log:])
+    assert "refused generate message" in running_fleet.log("generate")[generate_log:]

@@ -32,19 +32,22 @@ pytestmark = pytest.mark.faults
 #: More groups in flight (two steps of 32) than the fleet's 16 generation threads: at any
 #: moment messages wait on the generate queue, and a flush loses them.
 BACKLOG = {
-    "grpo": {"max_num_steps": 5, "num_prompts_per_step": 32},
+    # Enough attempts per step that, bundled 8 to a message, some wait in Redis while every
+    # worker thread holds a bundle.
+    "grpo": {"max_num_steps": 5, "num_prompts_per_step": 256},
     "generation": {"sim": {"latency": {"distribution": "constant", "mean_seconds": 0.1}}},
 }
 
 
-def _attempt_of(raw: bytes) -> int:
-    """The attempt id in a raw `refill.generate` message as kombu stores it in Redis."""
+def _attempts_of(raw: bytes) -> list[int]:
+    """The attempt ids in a raw `refill.generate` message (one attempt or a bundle) as kombu
+    stores it in Redis."""
     message = json.loads(raw)
     body = message["body"]
     if message.get("properties", {}).get("body_encoding") == "base64":
         body = base64.b64decode(body)
     args, _kwargs, _embed = json.loads(body)
-    return int(args[0]["attempt_id"])
+    return [int(item["attempt_id"]) for item in args[0].get("bundle", [args[0]])]
 
 
 def _resent_train_steps(session, run_id: int) -> int:
@@ -61,14 +64,16 @@ def test_flushall_mid_run(fleet, fault_ledger) -> None:
 
     def backlog(session) -> bool:
         version = session.scalar(select(Run.weight_version).where(Run.id == run_id))
-        return version >= 1 and client.llen(f"{fleet.prefix}generate") >= 5
+        if version < 1:
+            return False
+        return sum(len(_attempts_of(raw)) for raw in client.lrange(f"{fleet.prefix}generate", 0, -1)) >= 5
 
     def flush() -> tuple[list[int], int]:
         # Read what is lost and flush in one transaction: nothing slips in between.
         pipe = client.pipeline(transaction=True)
         pipe.lrange(f"{fleet.prefix}generate", 0, -1).llen(f"{fleet.prefix}results").flushall()
         waiting, results, _ = pipe.execute()
-        return [_attempt_of(raw) for raw in waiting], results
+        return [a for raw in waiting for a in _attempts_of(raw)], results
 
     try:
         result = drive_with_fault(fleet, fault_ledger, run_id, when=backlog, fault=flush)

@@ -317,10 +317,13 @@ def test_worker_roles_exist_and_consume_the_apps_queues() -> None:
 
 
 def test_generators_keep_many_groups_in_flight() -> None:
-    # The role's default (8 threads) would cap the engine's batch below the config's 64.
+    # Each thread runs one bundle of up to GENERATE_BUNDLE attempts: the threads times the
+    # bundle are the groups the engine can batch, the config's groups_in_flight.
+    from refill.tasks.relay import GENERATE_BUNDLE
+
     _, params = resolve_command(services()["generate"]["command"])
     in_flight = run_config("qwen-math-vllm.yaml")["generation"]["groups_in_flight"]
-    assert params["concurrency"] == in_flight
+    assert params["concurrency"] * GENERATE_BUNDLE == in_flight
 
 
 def test_gpu_services_reserve_one_gpu_each_and_not_the_same_one() -> None:
