@@ -627,6 +627,19 @@ def check_counters(ctx: Context) -> list[Violation]:
                     step=step,
                 )
             )
+    zero, scored = s.execute(
+        select(func.count().filter(Attempt.zero_variance.is_(True)), func.count()).where(
+            Attempt.run_id == run_id, Attempt.zero_variance.is_not(None)
+        )
+    ).one()
+    if (ctx.run.zero_variance_groups, ctx.run.scored_groups) != (zero, scored):
+        out.append(
+            ctx.violation(
+                name,
+                f"run counts {ctx.run.zero_variance_groups} zero-variance groups of "
+                f"{ctx.run.scored_groups} scored; its attempts say {zero} of {scored}",
+            )
+        )
     return out
 
 
@@ -776,7 +789,7 @@ CHECKS: tuple[Check, ...] = (
     Check("released_step_not_full", "each released step full: committed == num_slots - shrunk, no open slot", check_released_full),
     Check("weight_versions", "weight versions 0..v contiguous, one per trained step", check_weight_versions),
     Check("live_attempts", "an open slot of an open step has exactly one live attempt; settled slots none", check_live_attempts),
-    Check("step_counters", "step counters (committed, shrunk, dropped) agree with their slots", check_counters),
+    Check("step_counters", "step counters (committed, shrunk, dropped) agree with their slots; the run's scored and zero-variance group counts with its attempts", check_counters),
     Check("group_placement", "each committed group in one slot or parked, and only in a committed slot; groups belong to committed attempts", check_group_placement),
     Check("outbox", "pending attempts have an unsent message; released steps have metrics and a train_step message", check_messages),
     Check("spare_pool", "a taken spare prompt is run by the attempt that took it", check_spare_pool),

@@ -75,7 +75,8 @@ def top_up(ctx: RunContext, steps: list[Step] | None = None) -> int:
     if not settings.over_dispatch or not settings.use_dynamic_sampling or not ctx.running:
         return 0
     newest = ctx.session.get(Step, (ctx.run.id, ctx.run.next_step - 1)) if ctx.run.next_step else None
-    p = zero_variance_estimate(ctx).p  # flushes: the statements below see this transaction's rows
+    p = zero_variance_estimate(ctx).p
+    ctx.session.flush()  # the statements below see this transaction's rows
     reaim_stranded_extras(ctx)
     fill_tails_from_parked(ctx)
     if newest is None or newest.status != StepStatus.OPEN.value:

@@ -228,6 +228,8 @@ def _apply(ctx: RunContext, attempt: Attempt, result: ResultMessage) -> Recorded
     attempt.num_tokens = sum(len(c.token_ids) for c in result.completions)
     zero_variance = decisions.is_zero_variance(rewards, settings.zero_variance_tolerance)
     attempt.zero_variance = zero_variance
+    ctx.run.scored_groups += 1
+    ctx.run.zero_variance_groups += int(zero_variance)
     # A generation that came back is a healthy fleet, whatever the filter then decides.
     ctx.run.consecutive_dropped = 0
 

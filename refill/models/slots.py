@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sqlalchemy import case, exists, func, select, update
+from sqlalchemy import case, exists, select, update
 from sqlalchemy.orm.util import identity_key
 
 from refill.models import decisions
@@ -579,12 +579,6 @@ def recent_errors(ctx: RunContext, step: int, limit: int = 3) -> list[str]:
 
 
 def measured_zero_variance(ctx: RunContext) -> tuple[int, int]:
-    """(zero-variance groups, finished groups) over the whole run so far."""
-    ctx.session.flush()
-    zero, total = ctx.session.execute(
-        select(
-            func.count().filter(Attempt.zero_variance.is_(True)),
-            func.count(),
-        ).where(Attempt.run_id == ctx.run.id, Attempt.zero_variance.is_not(None))
-    ).one()
-    return int(zero or 0), int(total or 0)
+    """(zero-variance groups, scored groups) over the whole run so far, this transaction's
+    included: the run's counters (results._apply keeps them)."""
+    return int(ctx.run.zero_variance_groups or 0), int(ctx.run.scored_groups or 0)

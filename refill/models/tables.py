@@ -185,6 +185,11 @@ class Run(Base):
     next_step: Mapped[int] = mapped_column(Integer, default=0)
     weight_version: Mapped[int] = mapped_column(Integer, default=0)
     consecutive_dropped: Mapped[int] = mapped_column(Integer, default=0)
+    # Groups scored so far and how many of them had zero variance: the measured p that
+    # over-dispatch, the budget error and the metrics read on every batch, kept here so that
+    # reading it does not count a run's attempts (refill check compares them).
+    scored_groups: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    zero_variance_groups: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     stop_requested: Mapped[bool] = mapped_column(Boolean, default=False)
     controller_id: Mapped[str | None] = mapped_column(String(200))
     controller_seen_at: Mapped[datetime | None]

@@ -103,10 +103,9 @@ class TrainerService:
             trainer.version = None  # state may be half-updated: restore before the next step
             keeper.stop()  # before the ledger write below, which the beat would race
             log.exception("training step %s of run %s failed", batch.step, batch.run_id)
+            reason = f"{type(error).__name__}: {error}"
             outbox = self.ledger.transaction(
-                lambda s: training_failed(
-                    s, batch.run_id, batch.step, self.trainer_id, f"{type(error).__name__}: {error}"
-                ),
+                lambda s: training_failed(s, batch.run_id, batch.step, self.trainer_id, reason),
                 what="record training failure",
             )
             self._relay(outbox)

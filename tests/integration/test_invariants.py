@@ -388,13 +388,24 @@ def test_zero_variance_group_in_a_slot(d: Driver) -> None:
 
 def test_filtered_attempt_that_is_not_zero_variance(d: Driver) -> None:
     (filtered,) = d.attempts(1, 0, state="filtered")
-    v = found(
-        d,
-        lambda s: s.execute(
-            update(Attempt).where(Attempt.id == filtered.id).values(zero_variance=False)
-        ),
-    )
+
+    def tamper(s: Session) -> None:
+        s.execute(update(Attempt).where(Attempt.id == filtered.id).values(zero_variance=False))
+        # and the run's counters with it, so that only the filter's decision is wrong
+        s.execute(update(Run).where(Run.id == d.run_id).values(zero_variance_groups=Run.zero_variance_groups - 1))
+
+    v = found(d, tamper)
     assert where(v) == {("zero_variance_trained", 1, 0, filtered.id)}
+
+
+def test_run_group_counts_that_disagree_with_the_attempts(d: Driver) -> None:
+    run = d.run()
+    v = found(d, lambda s: s.execute(update(Run).where(Run.id == d.run_id).values(scored_groups=Run.scored_groups + 2)))
+    assert where(v) == {("step_counters", None, None, None)}
+    assert messages(v, ("step_counters", None, None, None)) == [
+        f"run counts {run.zero_variance_groups} zero-variance groups of {run.scored_groups + 2} scored; "
+        f"its attempts say {run.zero_variance_groups} of {run.scored_groups}"
+    ]
 
 
 # --- staleness and admission -------------------------------------------------------------------

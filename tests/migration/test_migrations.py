@@ -95,3 +95,23 @@ def test_upgrade_downgrade_upgrade(empty_url: str) -> None:
     assert _differences(engine) == []
     assert set(inspect(engine).get_view_names()) == VIEWS
     engine.dispose()
+
+
+def test_0004_counts_the_groups_of_runs_recorded_before_it(empty_url: str) -> None:
+    from refill.models.db import Ledger
+    from refill.models.tables import Run
+    from tests.support.driver import FLAT, SPREAD, Driver
+
+    ledger = Ledger(empty_url)
+    upgrade(ledger.engine)
+    d = Driver(ledger, check=False)
+    d.admit()
+    d.filter_slot(0, 0, FLAT)
+    d.commit_slot(0, 1, SPREAD)
+    d.commit_slot(0, 2, SPREAD)
+    downgrade(ledger.engine, "0003")
+    upgrade(ledger.engine)
+    with ledger.session() as session:
+        run = session.get(Run, d.run_id)
+        assert (run.zero_variance_groups, run.scored_groups) == (1, 3)
+    ledger.dispose()
