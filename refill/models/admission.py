@@ -34,7 +34,6 @@ def admit(ctx: RunContext) -> list[int]:
     """Admission inside an open unit of work (the trainer calls it right after publishing a
     weight version, so the next step's generation does not wait for a controller tick)."""
     steps: list[int] = []
-    opened: list[Step] = []
     run, settings = ctx.run, ctx.settings
     if not ctx.running or run.stop_requested:
         return steps
@@ -49,14 +48,14 @@ def admit(ctx: RunContext) -> list[int]:
             if settings.needs_spare_pool:
                 add_to_pool(ctx, prompt_ids)
             break
-        opened.append(open_step(ctx, run.next_step, prompt_ids))
+        open_step(ctx, run.next_step, prompt_ids)
         steps.append(run.next_step)
         run.next_step += 1
     refill_spare_pool(ctx)
-    if opened:
+    if steps:
         from refill.models.overdispatch import top_up
 
-        top_up(ctx, opened)
+        top_up(ctx)
     return steps
 
 

@@ -405,24 +405,27 @@ class RunContext:
             and self.step_open(view.step)
         )
 
+    def _load_open_slots(self, *conditions, order_by: tuple, limit: int) -> list[Slot]:  # type: ignore[no-untyped-def]
+        """Open slots of open steps (and `conditions`), as stored after a flush."""
+        self.session.flush()
+        return list(
+            self.session.scalars(
+                select(Slot)
+                .join(Step, (Step.run_id == Slot.run_id) & (Step.step == Slot.step))
+                .where(Slot.run_id == self.run.id, Slot.status == _SLOT_OPEN, Step.status == _STEP_OPEN, *conditions)
+                .order_by(*order_by)
+                .limit(limit)
+            )
+        )
+
     # --- slots waiting on a replacement ----------------------------------------------------
 
     def waiting(self) -> dict[tuple[int, int], Slot]:
         """Open slots of open steps whose own prompt was filtered or dropped."""
         if self._waiting is None:
-            self.session.flush()
-            rows = self.session.scalars(
-                select(Slot)
-                .join(Step, (Step.run_id == Slot.run_id) & (Step.step == Slot.step))
-                .where(
-                    Slot.run_id == self.run.id,
-                    Slot.status == SlotStatus.OPEN.value,
-                    Slot.needs_replacement.is_(True),
-                    Step.status == StepStatus.OPEN.value,
-                )
-                .order_by(Slot.step, Slot.idx)
-                .limit(CHUNK)
-            ).all()
+            rows = self._load_open_slots(
+                Slot.needs_replacement.is_(True), order_by=(Slot.step, Slot.idx), limit=CHUNK
+            )
             self._waiting = {}
             self._waiting_by_step = {}
             for slot in self.pin(list(rows)):
@@ -456,18 +459,9 @@ class RunContext:
         """
         for _ in range(2):
             if self._open_slots is None:
-                self.session.flush()
-                rows = self.session.scalars(
-                    select(Slot)
-                    .join(Step, (Step.run_id == Slot.run_id) & (Step.step == Slot.step))
-                    .where(
-                        Slot.run_id == self.run.id,
-                        Slot.status == _SLOT_OPEN,
-                        Step.status == _STEP_OPEN,
-                    )
-                    .order_by(Slot.step, Slot.needs_replacement.desc(), Slot.idx)
-                    .limit(OPEN_CHUNK)
-                ).all()
+                rows = self._load_open_slots(
+                    order_by=(Slot.step, Slot.needs_replacement.desc(), Slot.idx), limit=OPEN_CHUNK
+                )
                 self._open_slots = self.pin(list(rows))
                 self._open_slots_truncated = len(rows) == OPEN_CHUNK
             # Drop what has settled since, so later calls do not look at it again.

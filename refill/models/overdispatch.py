@@ -65,12 +65,8 @@ def zero_variance_estimate(ctx: RunContext) -> decisions.ZeroVarianceEstimate:
     return decisions.ZeroVarianceEstimate(zero, total)
 
 
-def top_up(ctx: RunContext, steps: list[Step] | None = None) -> int:
-    """Dispatch the extras the newest admitted step needs now; returns how many were sent.
-
-    `steps` (the steps an admission just opened) is accepted for the callers' sake: the newest
-    admitted step is the only one that gets extras, wherever it is found.
-    """
+def top_up(ctx: RunContext) -> int:
+    """Dispatch the extras the newest admitted step needs now; returns how many were sent."""
     settings = ctx.settings
     if not settings.over_dispatch or not settings.use_dynamic_sampling or not ctx.running:
         return 0
