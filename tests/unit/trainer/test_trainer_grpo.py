@@ -32,6 +32,15 @@ def _assert_same_params(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], 
 def test_step_does_not_depend_on_micro_batch_split(settings, tmp_path, token_level):
     settings.loss.token_level_loss = token_level
     settings.loss.use_importance_sampling_correction = True
+    # Adam's first step is about lr * sign(g): a weight whose gradient is float noise (its
+    # micro-batch contributions cancel) moves by up to lr one way or the other depending on
+    # the summation order, which the split changes (seen: 5e-6 apart on one CPU, 0 on
+    # another). With eps above the gradients' scale the step is lr * g / eps, linear in the
+    # gradient, so the parameters show any difference in the gradient itself, a wrong scale
+    # included, and float noise stays at noise level (a few float32 ulps of the weights);
+    # the large lr makes the step large against those ulps.
+    settings.optimizer.eps = 1.0
+    settings.optimizer.lr = 0.1
     groups = make_groups(step=0, seed=1)
     whole = GRPOTrainer(settings, tmp_path / "run")
     whole.restore(0)
@@ -40,8 +49,13 @@ def test_step_does_not_depend_on_micro_batch_split(settings, tmp_path, token_lev
     split = GRPOTrainer(split_settings, tmp_path / "run")
     split.restore(0)
 
+    before = _params(whole)
     m_whole = whole.train_step(0, groups)
     m_split = split.train_step(0, groups)
+    moved = max((p - before[k]).abs().max().item() for k, p in _params(whole).items())
+    # Large enough that a gradient off by a tenth of a percent would move a weight by more
+    # than the tolerance below.
+    assert moved > 1e-3
 
     assert m_whole["micro_batches"] == 1
     assert m_split["micro_batches"] >= 4
