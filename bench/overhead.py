@@ -129,7 +129,7 @@ def one_step(
 
     timers = Timers()
     ledger = Ledger(url)
-    statements: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    statements: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0])
     if args.statements:
         from sqlalchemy import event
 
@@ -144,6 +144,7 @@ def one_step(
                 entry = statements[f"{phase}: {' '.join(statement.split())[:90]}"]
                 entry[0] += 1
                 entry[1] += time.perf_counter() - conn.info.pop("bench_started", time.perf_counter())
+                entry[2] += len(parameters) if executemany else 1
 
     current_phase = PHASE
     raw = run_config(args)
@@ -278,9 +279,9 @@ def one_step(
         timers.seconds["release"] -= timers.seconds["metrics"]
         ledger.dispose()
     if statements:
-        print("statements by phase (this round): count, seconds in the driver (server included)")
-        for key, (number, seconds) in sorted(statements.items(), key=lambda kv: -kv[1][1]):
-            print(f"  {number:7d} {seconds:7.3f}  {key}")
+        print("statements by phase (this round): executions, parameter sets, seconds in the driver (server included)")
+        for key, (number, seconds, rows) in sorted(statements.items(), key=lambda kv: -kv[1][1]):
+            print(f"  {number:7d} {rows:7d} {seconds:7.3f}  {key}")
     return timers, counts
 
 
@@ -306,6 +307,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--profile", nargs="?", const="record", default=None,
         help="profile one phase of the last round with cProfile: record (default), admission, relay, lease",
     )
+    parser.add_argument("--profile-out", default=None, help="also write the profile to this file (for pstats/snakeviz)")
     parser.add_argument("--statements", action="store_true", help="count SQL statements per phase")
     parser.add_argument("--target", type=float, default=2.0, help="seconds")
     return parser.parse_args(argv)
@@ -370,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     if profile is not None:
         out = io.StringIO()
         stats = pstats.Stats(profile, stream=out)
+        if args.profile_out:
+            stats.dump_stats(args.profile_out)
         stats.sort_stats("cumulative").print_stats(45)
         stats.sort_stats("tottime").print_stats(45)
         print(f"\nprofile of the {args.profile} phase (last round), by cumulative time:")

@@ -21,10 +21,11 @@ from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import bindparam, event, func, inspect, select, tuple_, update
 from sqlalchemy.orm import Session
-from sqlalchemy.orm.attributes import flag_modified, set_committed_value
+from sqlalchemy.orm.attributes import NO_VALUE, flag_modified, set_committed_value
 from sqlalchemy.orm.util import identity_key
 
 from refill.models.db import lock_run
+from refill.models.ids import IdBlocks
 from refill.models.samplers import GroupView, Sampler
 from refill.models.settings import LedgerSettings, settings_for
 from refill.models.tables import (
@@ -42,8 +43,13 @@ from refill.models.tables import (
     StepStatus,
 )
 
-#: Rows loaded per query by the caches (the spare pool, lenders, waiting slots).
+#: Rows loaded per query by the caches of lenders and waiting slots, unless the operation
+#: sizes them (`size_caches`: a batch of results needs a prefix about its own size).
 CHUNK = 512
+#: How many lenders a slot's sampler chooses among (`slots.lender_candidates`) and how many
+#: open slots a group's placement looks at (`slots.placement_candidates`).
+LENDER_CHOICES = 128
+PLACEMENT_CHOICES = 32
 #: Spare prompts loaded per query: a batch of results takes a few dozen.
 SPARE_CHUNK = 128
 #: Open slots loaded per query for placements that may take any open slot: a batch settles
@@ -86,7 +92,16 @@ def _before_flush(session: Session, flush_context, instances) -> None:  # type: 
         columns = _UNIFORM_COLUMNS.get(type(obj))
         if columns is None:
             continue
-        keys = frozenset(inspect(obj).committed_state).intersection(columns)
+        state = inspect(obj)
+        committed, loaded = state.committed_state, state.dict
+        # As the flush decides it: an attribute set to the value it already had is not
+        # written (so `slot.needs_replacement = False` on a slot that did not need one would
+        # split the slots' UPDATE in two).
+        keys = frozenset(
+            name
+            for name in committed.keys() & columns
+            if committed[name] is NO_VALUE or name not in loaded or committed[name] != loaded[name]
+        )
         if keys:
             changed.setdefault(type(obj), []).append((obj, keys))
     for rows in changed.values():
@@ -146,6 +161,11 @@ class RunContext:
     #: the same slots by step, each step's sorted by index, for placements that look only at
     #: the first few of the earlier steps
     _waiting_by_step: dict[int, list[Slot]] = field(default_factory=dict)
+    #: the last (step, idx) loaded when the stored waiting slots were more than were loaded
+    _waiting_loaded_to: tuple[int, int] | None = None
+    #: rows the waiting and lendable caches load (see `size_caches`)
+    _waiting_chunk: int = CHUNK
+    _lendable_chunk: int = CHUNK
     #: a prefix (in placement order) of the open slots of open steps, and whether more exist
     _open_slots: list[Slot] | None = None
     _open_slots_truncated: bool = False
@@ -156,6 +176,9 @@ class RunContext:
     #: strong references to rows loaded in bulk: the session's identity map holds objects
     #: weakly, and a preloaded row that is dropped would be fetched again one by one.
     pinned: list[object] = field(default_factory=list)
+    #: ids for the attempts, outbox rows and spare prompts this transaction creates (set by
+    #: `open`)
+    ids: IdBlocks = field(default=None)  # type: ignore[assignment]
 
     def pin(self, rows: list) -> list:  # type: ignore[type-arg]
         self.pinned.extend(rows)
@@ -172,7 +195,7 @@ class RunContext:
             event.listen(session, "before_flush", _before_flush)
         run = lock_run(session, run_id)
         settings = settings_for(run)
-        ctx = cls(session, run, settings, settings.sampler(), now or utcnow())
+        ctx = cls(session, run, settings, settings.sampler(), now or utcnow(), ids=IdBlocks.for_session(session))
         session.info["refill_contexts"].append(ctx)
         return ctx
 
@@ -337,6 +360,18 @@ class RunContext:
 
     # --- groups a slot may borrow ----------------------------------------------------------
 
+    def size_caches(self, results: int) -> None:
+        """Size the waiting and lendable caches for a batch of `results` results, before
+        their first use.
+
+        A result settles at most a couple of waiting slots (its own, a lender's) and borrows
+        at most one lender, so a prefix of `2 * results` past what one decision looks at gives
+        every decision of the batch the same choices the whole set would; a longer prefix
+        costs a batch of 64 results more in loading ORM rows than in deciding.
+        (`waiting_up_to` loads more if a prefix ever runs short.)"""
+        self._waiting_chunk = 2 * results + PLACEMENT_CHOICES
+        self._lendable_chunk = 2 * results + LENDER_CHOICES
+
     def lendable(self) -> list[GroupView]:
         """Groups committed in open steps, latest steps first, and parked groups."""
         parked, committed, added = self.lendable_parts()
@@ -368,7 +403,7 @@ class RunContext:
                     Slot.step > earliest_open,
                 )
                 .order_by(Slot.step.desc(), Slot.group_attempt_id.desc())
-                .limit(CHUNK)
+                .limit(self._lendable_chunk)
             ).all()
             # Two columns, not the groups: a group's payload is large and only the one a
             # slot borrows is loaded (by `group`, when it moves).
@@ -376,7 +411,7 @@ class RunContext:
                 select(Group.attempt_id, Group.weight_version)
                 .where(Group.run_id == self.run.id, Group.parked.is_(True))
                 .order_by(Group.weight_version, Group.attempt_id)
-                .limit(CHUNK)
+                .limit(self._lendable_chunk)
             ).all()
             self.pin([slot for slot, _ in rows])
             self._lendable_parked = [GroupView(g.attempt_id, g.weight_version, None, None) for g in parked]
@@ -424,24 +459,45 @@ class RunContext:
         """Open slots of open steps whose own prompt was filtered or dropped."""
         if self._waiting is None:
             rows = self._load_open_slots(
-                Slot.needs_replacement.is_(True), order_by=(Slot.step, Slot.idx), limit=CHUNK
+                Slot.needs_replacement.is_(True), order_by=(Slot.step, Slot.idx), limit=self._waiting_chunk
             )
             self._waiting = {}
             self._waiting_by_step = {}
+            self._waiting_loaded_to = (rows[-1].step, rows[-1].idx) if len(rows) == self._waiting_chunk else None
             for slot in self.pin(list(rows)):
-                self.waiting_added(slot)
+                # In (step, idx) order: appended, not sorted in.
+                self._waiting[(slot.step, slot.idx)] = slot
+                self._waiting_by_step.setdefault(slot.step, []).append(slot)
         return self._waiting
 
     def waiting_up_to(self, max_step: int, limit: int) -> list[Slot]:
         """The first `limit` waiting slots, in (step, index) order, of steps up to `max_step`
         (a placement looks at the first few of the earlier steps; scanning every waiting slot
-        for each group would make a batch cost O(n^2))."""
-        self.waiting()
-        found: list[Slot] = []
-        for step in sorted(self._waiting_by_step):
-            if step > max_step or len(found) >= limit:
+        for each group would make a batch cost O(n^2)).
+
+        The cache holds a prefix of the stored waiting slots (plus those this transaction
+        added); when its part up to `max_step` has run short of `limit` while more are stored,
+        it is loaded again (after a flush, so the slots settled since drop out)."""
+        for _ in range(2):
+            self.waiting()
+            found: list[Slot] = []
+            for step in sorted(self._waiting_by_step):
+                if step > max_step or len(found) >= limit:
+                    break
+                found.extend(self._waiting_by_step[step][: limit - len(found)])
+            bound = self._waiting_loaded_to
+            # Stored slots that were not loaded all come after `bound`: the answer is exact
+            # unless it needs slots past `bound` (it ran short, or holds slots this
+            # transaction added past it) of steps that unloaded slots may belong to.
+            if (
+                bound is None
+                or bound[0] > max_step
+                or (len(found) >= limit and (found[-1].step, found[-1].idx) <= bound)
+            ):
                 break
-            found.extend(self._waiting_by_step[step][: limit - len(found)])
+            # A fresh prefix, at least `limit` long: then the second look is exact.
+            self._waiting = None
+            self._waiting_chunk = max(self._waiting_chunk, limit)
         return found
 
     # --- open slots, for placements that may take any of them ---------------------------------

@@ -95,6 +95,7 @@ def record_results(
                 )
             continue
         attempts = _preload(ctx, [r.attempt_id for _, r in items])
+        ctx.size_caches(len(items))
         _warm_caches(ctx)
         for position, result in items:
             outcomes[position] = _record_one(ctx, attempts.get(result.attempt_id), result)

@@ -14,7 +14,7 @@ from sqlalchemy import case, exists, select, update
 from sqlalchemy.orm.util import identity_key
 
 from refill.models import decisions
-from refill.models.context import RunContext
+from refill.models.context import LENDER_CHOICES, PLACEMENT_CHOICES, RunContext
 from refill.models.dataloader import take_spare
 from refill.models.samplers import GroupView, SlotView
 from refill.models.tables import (
@@ -60,6 +60,7 @@ def dispatch(
     """A new attempt for `slot` (or an EXTRA for `step`), with its outbox row."""
     available = ctx.later(delay_seconds)
     attempt = Attempt(
+        **ctx.ids.ids("attempts"),
         run_id=ctx.run.id,
         step=step,
         slot_idx=slot.idx if slot is not None else None,
@@ -78,6 +79,7 @@ def dispatch(
         slot.attempts += 1
         ctx.new_live[(slot.step, slot.idx)] = attempt
     row = Outbox(
+        **ctx.ids.ids("outbox"),
         run_id=ctx.run.id,
         kind=OutboxKind.GENERATE.value,
         attempt=attempt,
@@ -168,6 +170,7 @@ def maybe_release(ctx: RunContext, step: Step) -> bool:
 
 def queue_training(ctx: RunContext, step: int, delay_seconds: float = 0.0) -> None:
     row = Outbox(
+        **ctx.ids.ids("outbox"),
         run_id=ctx.run.id,
         kind=OutboxKind.TRAIN_STEP.value,
         step=step,
@@ -204,7 +207,7 @@ def replace(ctx: RunContext, slot: Slot, *, after_filter: bool) -> None:
     ctx.waiting_added(slot)
 
 
-def lender_candidates(ctx: RunContext, step: int, limit: int = 128) -> list[GroupView]:
+def lender_candidates(ctx: RunContext, step: int, limit: int = LENDER_CHOICES) -> list[GroupView]:
     """Groups `step` may borrow: parked surplus and groups committed for later open steps,
     within the staleness bound of `step`."""
     floor = step - ctx.settings.max_lookahead_versions
@@ -268,7 +271,9 @@ def borrow(ctx: RunContext, lender: GroupView, slot: Slot) -> None:
 # --- placement of a committed group ------------------------------------------------------
 
 
-def placement_candidates(ctx: RunContext, group: Group, own: Slot | None, limit: int = 32) -> list[SlotView]:
+def placement_candidates(
+    ctx: RunContext, group: Group, own: Slot | None, limit: int = PLACEMENT_CHOICES
+) -> list[SlotView]:
     """Open slots, earlier than the group's own, that it may fill within the staleness bound:
     slots waiting on a replacement for `in_order`, any open slot for the other samplers."""
     bound_step = group.weight_version + ctx.settings.max_lookahead_versions

@@ -1,0 +1,140 @@
+"""What a transaction keeps in memory instead of asking the database again: ids drawn in
+blocks from the sequences, and the prefix of waiting slots a batch's placements look at."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from sqlalchemy import select
+
+from refill.models import context as context_module
+from refill.models.context import RunContext
+from refill.models.ids import FIRST_BLOCK, IdBlocks
+from refill.models.slots import shrink
+from refill.models.tables import Attempt, Outbox, ShrinkReason, Slot, SlotStatus, Step, StepStatus
+from tests.support.driver import FLAT, Driver
+
+
+def _waiting_truth(session, run_id: int, limit: int) -> list[tuple[int, int]]:  # type: ignore[no-untyped-def]
+    session.flush()
+    return [
+        (slot.step, slot.idx)
+        for slot in session.scalars(
+            select(Slot)
+            .join(Step, (Step.run_id == Slot.run_id) & (Step.step == Slot.step))
+            .where(
+                Slot.run_id == run_id,
+                Slot.status == SlotStatus.OPEN.value,
+                Slot.needs_replacement.is_(True),
+                Step.status == StepStatus.OPEN.value,
+            )
+            .order_by(Slot.step, Slot.idx)
+            .limit(limit)
+        )
+    ]
+
+
+class Rollback(Exception):
+    """Ends a transaction that changed rows in memory only to look at the caches."""
+
+
+def test_placements_see_the_first_waiting_slots_when_the_loaded_prefix_runs_short(ledger, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    d = Driver(ledger, {"grpo": {"num_prompts_per_step": 8}}, num_prompts=80)
+    d.admit()
+    for step, idx in [(0, 0), (0, 2), (0, 3), (0, 5), (0, 7), (1, 1), (1, 4), (1, 6)]:
+        d.filter_slot(step, idx)  # nothing to borrow: a spare replacement, the slot waits
+    # A prefix of 3 for a batch of one result looking at 1 slot per placement.
+    monkeypatch.setattr(context_module, "PLACEMENT_CHOICES", 1)
+
+    def look(session):  # type: ignore[no-untyped-def]
+        ctx = RunContext.open(session, d.run_id, d.now)
+        ctx.size_caches(1)
+        assert [(s.step, s.idx) for s in ctx.waiting_up_to(1, 2)] == [(0, 0), (0, 2)]
+        assert len(ctx.waiting()) == 3  # only the prefix was loaded
+        # The batch settles the first two: one loaded slot is left, fewer than asked for.
+        for idx in (0, 2):
+            shrink(ctx, ctx.slot(0, idx), ShrinkReason.END_OF_DATA)
+        assert [(s.step, s.idx) for s in ctx.waiting_up_to(1, 2)] == _waiting_truth(session, d.run_id, 2)
+        # A slot that starts waiting in memory, past the loaded prefix, does not jump ahead of
+        # stored waiting slots that were not loaded.
+        late = ctx.slot(1, 7)
+        late.needs_replacement = True
+        ctx.waiting_added(late)
+        got = [(s.step, s.idx) for s in ctx.waiting_up_to(1, 5)]
+        assert got == _waiting_truth(session, d.run_id, 5)
+        assert got == [(0, 3), (0, 5), (0, 7), (1, 1), (1, 4)]
+        raise Rollback
+
+    with pytest.raises(Rollback):
+        ledger.transaction(look)
+
+
+def test_an_unsized_cache_loads_every_waiting_slot_up_to_its_chunk(ledger) -> None:  # type: ignore[no-untyped-def]
+    d = Driver(ledger, {"grpo": {"num_prompts_per_step": 8}}, num_prompts=80)
+    d.admit()
+    for idx in (1, 3, 6):
+        d.filter_slot(0, idx)
+
+    def look(session):  # type: ignore[no-untyped-def]
+        ctx = RunContext.open(session, d.run_id, d.now)
+        assert sorted(ctx.waiting()) == [(0, 1), (0, 3), (0, 6)]
+        assert [(s.step, s.idx) for s in ctx.waiting_up_to(0, 32)] == [(0, 1), (0, 3), (0, 6)]
+        assert ctx.waiting_up_to(-1, 32) == []
+
+    ledger.transaction(look)
+
+
+def test_new_rows_get_ids_in_the_order_they_are_made(ledger) -> None:  # type: ignore[no-untyped-def]
+    d = Driver(ledger, {"grpo": {"num_prompts_per_step": 40}}, num_prompts=200)
+    d.admit()
+    attempts = d.attempts()
+    # Admission makes each slot's attempt in slot order, with its outbox row.
+    by_slot = sorted((a for a in attempts if a.slot_idx is not None and a.step == 0), key=lambda a: a.slot_idx)
+    assert [a.id for a in by_slot] == sorted(a.id for a in by_slot)
+    with ledger.session() as session:
+        outbox = {row.attempt_id: row.id for row in session.scalars(select(Outbox).where(Outbox.run_id == d.run_id))}
+    assert [outbox[a.id] for a in by_slot] == sorted(outbox[a.id] for a in by_slot)
+
+
+def test_id_blocks_grow_and_never_hand_out_an_id_twice(pg_ledger) -> None:  # type: ignore[no-untyped-def]
+    """Two transactions drawing at once get disjoint ids; a block doubles up to the cap."""
+    drawn: dict[str, list[int]] = {}
+    barrier = threading.Barrier(2)
+
+    def draw(name: str) -> None:
+        with pg_ledger.session() as session:
+            blocks = IdBlocks.for_session(session)
+            assert blocks.enabled
+            ids = []
+            for i in range(5 * FIRST_BLOCK):
+                if i == FIRST_BLOCK:
+                    barrier.wait(timeout=30)  # both hold a block: the next ones interleave
+                ids.append(blocks.next("attempts"))
+            assert blocks.ids("outbox").keys() == {"id"}
+            drawn[name] = ids
+
+    threads = [threading.Thread(target=draw, args=(name,)) for name in ("a", "b")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    a, b = drawn["a"], drawn["b"]
+    assert len(a) == len(b) == 5 * FIRST_BLOCK
+    assert a == sorted(a) and b == sorted(b)
+    assert not set(a) & set(b)
+    # 16, then 32, then 64: three queries for 80 ids; the first block is contiguous.
+    assert a[FIRST_BLOCK - 1] - a[0] == FIRST_BLOCK - 1
+
+
+def test_sqlite_assigns_its_own_ids(sqlite_ledger) -> None:  # type: ignore[no-untyped-def]
+    with sqlite_ledger.session() as session:
+        blocks = IdBlocks.for_session(session)
+        assert not blocks.enabled and blocks.ids("attempts") == {}
+    d = Driver(sqlite_ledger)
+    d.admit()
+    ids = sorted(a.id for a in d.attempts())
+    # The database's own numbering: 1, 2, 3, ... with no blocks drawn ahead.
+    assert ids == list(range(ids[0], ids[0] + len(ids)))
+    with sqlite_ledger.session() as session:
+        assert session.scalar(select(Attempt.id).order_by(Attempt.id.desc()).limit(1)) == ids[-1]
