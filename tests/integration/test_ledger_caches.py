@@ -13,7 +13,7 @@ from refill.models.context import RunContext
 from refill.models.ids import FIRST_BLOCK, IdBlocks
 from refill.models.slots import shrink
 from refill.models.tables import Attempt, Outbox, ShrinkReason, Slot, SlotStatus, Step, StepStatus
-from tests.support.driver import FLAT, Driver
+from tests.support.driver import Driver
 
 
 def _waiting_truth(session, run_id: int, limit: int) -> list[tuple[int, int]]:  # type: ignore[no-untyped-def]
