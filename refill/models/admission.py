@@ -6,13 +6,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime
 
+from sqlalchemy import insert
 from sqlalchemy.orm import Session
 
 from refill.models import decisions
 from refill.models.context import RunContext
 from refill.models.dataloader import add_to_pool, draw, refill_spare_pool
-from refill.models.slots import dispatch
-from refill.models.tables import AttemptReason, Slot, Step, StepStatus
+from refill.models.tables import (
+    Attempt,
+    AttemptReason,
+    AttemptState,
+    Outbox,
+    OutboxKind,
+    Slot,
+    SlotStatus,
+    Step,
+    StepStatus,
+)
 
 
 @dataclass
@@ -60,45 +70,81 @@ def admit(ctx: RunContext) -> list[int]:
 
 
 def open_step(ctx: RunContext, step: int, prompt_ids: list[int]) -> Step:
-    settings = ctx.settings
+    """The step's row, its slots, each slot's first attempt and that attempt's outbox row.
+
+    The slots, attempts and outbox rows are written as three multi-row inserts without ORM
+    objects: for a step of thousands of prompts, building and flushing an object per row was
+    most of the cost of admission (`python -m bench overhead --profile admission`). What reads
+    them later in the transaction (over-dispatch's top-up) loads them from the database, as
+    it does rows written by earlier transactions.
+    """
+    settings, run_id, now = ctx.settings, ctx.run.id, ctx.now
     row = Step(
-        run_id=ctx.run.id,
+        run_id=run_id,
         step=step,
         status=StepStatus.OPEN.value,
         num_slots=len(prompt_ids),
         committed=0,
         shrunk=0,
         dropped_shrunk=0,
-        admitted_at=ctx.now,
+        admitted_at=now,
         train_claims=0,
     )
     ctx.session.add(row)
-    # The tables have no ORM relationships (rows are addressed by key), so the unit of work
-    # does not know to insert a step before its slots and slots before their attempts.
+    # Rows are addressed by key (no ORM relationships), and the slots below are not ORM
+    # objects: the step must be in the database before its slots.
     ctx.session.flush()
-    slots = []
-    for idx, prompt_id in enumerate(prompt_ids):
-        slot = Slot(
-            run_id=ctx.run.id,
-            step=step,
-            idx=idx,
-            prompt_id=prompt_id,
-            filter_budget=settings.filter_budget,
-            drop_budget=settings.drop_budget,
-            needs_replacement=False,
-            filtered=0,
-            filter_replacements=0,
-            infra_failures=0,
-            data_failures=0,
-            drops=0,
-            drop_replacements=0,
-            borrowed_in=0,
-            lent_out=0,
-            attempts=0,
+    ctx.session.execute(
+        insert(Slot.__table__),
+        [
+            {
+                "run_id": run_id,
+                "step": step,
+                "idx": idx,
+                "status": SlotStatus.OPEN.value,
+                "prompt_id": prompt_id,
+                "filter_budget": settings.filter_budget,
+                "drop_budget": settings.drop_budget,
+                "attempts": 1,
+            }
+            for idx, prompt_id in enumerate(prompt_ids)
+        ],
+    )
+    min_version = max(0, step - settings.max_lookahead_versions)
+    attempt_ids = ctx.ids.insert(
+        Attempt.__table__,
+        [
+            {
+                "run_id": run_id,
+                "step": step,
+                "slot_idx": idx,
+                "origin_step": step,
+                "origin_slot": idx,
+                "prompt_id": prompt_id,
+                "try_no": 1,
+                "reason": AttemptReason.FIRST.value,
+                "state": AttemptState.PENDING.value,
+                "min_weight_version": min_version,
+                "created_at": now,
+                "available_at": now,
+            }
+            for idx, prompt_id in enumerate(prompt_ids)
+        ],
+    )
+    ctx.bulk_outbox_ids.extend(
+        ctx.ids.insert(
+            Outbox.__table__,
+            [
+                {
+                    "run_id": run_id,
+                    "kind": OutboxKind.GENERATE.value,
+                    "attempt_id": attempt_id,
+                    "payload": {},
+                    "created_at": now,
+                    "available_at": now,
+                }
+                for attempt_id in attempt_ids
+            ],
         )
-        slots.append(slot)
-    ctx.session.add_all(slots)
-    ctx.session.flush()
-    for slot in slots:
-        dispatch(ctx, step=step, slot=slot, prompt_id=slot.prompt_id, reason=AttemptReason.FIRST)
+    )
     return row

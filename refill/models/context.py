@@ -19,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import bindparam, event, func, inspect, select, tuple_, update
+from sqlalchemy import bindparam, event, func, insert, inspect, select, tuple_, update
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import NO_VALUE, flag_modified, set_committed_value
 from sqlalchemy.orm.util import identity_key
@@ -138,6 +138,8 @@ class RunContext:
     sampler: Sampler
     now: datetime
     outbox: list[Outbox] = field(default_factory=list)
+    #: ids of outbox rows written without ORM objects (admission's, `IdBlocks.insert`)
+    bulk_outbox_ids: list[int] = field(default_factory=list)
     #: live slot-bound attempts created in this transaction, by the slot they serve: no other
     #: transaction can see them yet, so they can be re-aimed in memory.
     new_live: dict[tuple[int, int], Attempt] = field(default_factory=dict)
@@ -151,7 +153,6 @@ class RunContext:
     _spares_db: deque[SparePrompt] | None = None
     _spares_db_done: bool = False
     _spares_last_id: int = 0
-    _spares_new: deque[SparePrompt] = field(default_factory=deque)
     #: lendable groups: parked ones, committed ones in (step desc, attempt desc) order as
     #: loaded, and those added during the transaction
     _lendable_parked: list[GroupView] | None = None
@@ -298,7 +299,7 @@ class RunContext:
 
     @property
     def outbox_ids(self) -> list[int]:
-        return [row.id for row in self.outbox]
+        return [*self.bulk_outbox_ids, *(row.id for row in self.outbox)]
 
     # --- the spare pool ------------------------------------------------------------------
 
@@ -312,21 +313,24 @@ class RunContext:
             ) or 0
         return self._spare_count
 
-    def spare_added(self, spares: list[SparePrompt]) -> None:
-        """Call before adding `spares` to the session (the stored pool is counted first)."""
-        self.spare_count  # noqa: B018 - a property that loads the stored count
-        self._spares_new.extend(spares)
-        self._spare_count = (self._spare_count or 0) + len(spares)
+    def add_spares(self, rows: list[dict]) -> None:  # type: ignore[type-arg]
+        """Write spare prompts to the pool (rows of `spare_prompts`), as one multi-row insert
+        rather than an ORM object each: admission adds thousands, and only the few taken in
+        this transaction are loaded back, by `next_spare`."""
+        if not rows:
+            return
+        self.spare_count  # noqa: B018 - the stored pool is counted before it grows
+        self.session.execute(insert(SparePrompt.__table__), rows)
+        self._spare_count = (self._spare_count or 0) + len(rows)
+        # Their ids are above every spare loaded so far: the next load finds them.
+        self._spares_db_done = False
 
     def next_spare(self) -> SparePrompt | None:
-        """The oldest untaken spare: stored ones first (in id order), then this
-        transaction's."""
+        """The oldest untaken spare, in id order (the order they were added in)."""
         while not self._spares_db_done:
             if self._spares_db:
                 return self._spares_db.popleft()
             self._load_spares()
-        if self._spares_new:
-            return self._spares_new.popleft()
         return None
 
     def warm_spares(self) -> None:
@@ -336,7 +340,6 @@ class RunContext:
 
     def _load_spares(self) -> None:
         self.session.flush()
-        fresh = {id(s) for s in self._spares_new}
         rows = list(
             self.session.scalars(
                 select(SparePrompt)
@@ -349,7 +352,7 @@ class RunContext:
                 .limit(SPARE_CHUNK)
             )
         )
-        self._spares_db = deque(r for r in rows if r.taken_at is None and id(r) not in fresh)
+        self._spares_db = deque(r for r in rows if r.taken_at is None)
         if rows:
             self._spares_last_id = rows[-1].id
         if len(rows) < SPARE_CHUNK:

@@ -67,12 +67,12 @@ def refill_spare_pool(ctx: RunContext) -> int:
 
 
 def add_to_pool(ctx: RunContext, prompt_ids: list[int]) -> None:
-    spares = [
-        SparePrompt(**ctx.ids.ids("spare_prompts"), run_id=ctx.run.id, prompt_id=pid, epoch=ctx.run.loader_epoch, added_at=ctx.now)
-        for pid in prompt_ids
-    ]
-    ctx.spare_added(spares)
-    ctx.session.add_all(spares)
+    ctx.add_spares(
+        [
+            {"run_id": ctx.run.id, "prompt_id": pid, "epoch": ctx.run.loader_epoch, "added_at": ctx.now}
+            for pid in prompt_ids
+        ]
+    )
 
 
 def take_spare(ctx: RunContext) -> SparePrompt | None:

@@ -17,13 +17,18 @@ order one transaction creates its rows, which is the order the ledger reads some
 in (the spare pool, oldest first).
 
 On SQLite (the embedded ledger, one writer at a time) the database assigns ids as before.
+
+`insert` writes many rows of one table at once without ORM objects (admission's slots, first
+attempts and their outbox rows: tens of thousands of objects for a large step) and returns
+their ids, drawn here on PostgreSQL and read back with `RETURNING` on SQLite.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
-from sqlalchemy import func, select, text
+from sqlalchemy import Table, func, insert, select, text
 from sqlalchemy.orm import Session
 
 FIRST_BLOCK = 16
@@ -78,3 +83,15 @@ class IdBlocks:
             # Popped from the end: reversed so that rows get ids in the order they are made.
             free = self._free[table] = sorted(ids, reverse=True)
         return free.pop()
+
+    def insert(self, table: Table, rows: list[dict[str, Any]]) -> list[int]:
+        """Insert `rows` into `table` (one executemany) and return their ids, in order."""
+        if not rows:
+            return []
+        if self.enabled:
+            for row in rows:
+                row["id"] = self.next(table.name)
+            self.session.execute(insert(table), rows)
+            return [row["id"] for row in rows]
+        returned = self.session.execute(insert(table).returning(table.c.id, sort_by_parameter_order=True), rows)
+        return [int(i) for i in returned.scalars()]
