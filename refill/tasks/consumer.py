@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import select
@@ -51,32 +52,36 @@ class ResultConsumer:
         self._relay = _BackgroundRelay(after_commit) if after_commit is not None else None
         self._chaos = ConsumerChaos()  # inert unless the fault suite sets its knob
         self._max_bytes: dict[int, int] = {}  # run -> infra.max_result_bytes (runs' configs never change)
-        self._batcher: MicroBatcher[dict[str, Any], str] = MicroBatcher(
+        self._batcher: MicroBatcher[ResultMessage | _Malformed, str] = MicroBatcher(
             self._process, max_batch=max_batch, max_wait_ms=max_wait_ms, name="results-consumer"
         )
 
     def submit(self, body: dict[str, Any]) -> str:
         """Record one result, or a bundle of them (`{"bundle": [result, ...]}`, as a worker's
         ResultSender sends them); returns the outcome(s) once every batch they joined is
-        committed, so the message is acknowledged only then."""
+        committed, so the message is acknowledged only then.
+
+        Results are decoded here, in the task's thread, not in the batch's: the batches are
+        recorded one at a time, and decoding 16 completions of token ids and log-probs
+        overlaps the batch in flight instead of adding to it."""
         bundle = body.get("bundle") if isinstance(body, dict) else None
         if not isinstance(bundle, list):
-            return self._batcher.submit(body)
-        futures = [self._batcher.submit_future(item) for item in bundle]
+            return self._batcher.submit(_decode(body))
+        futures = [self._batcher.submit_future(_decode(item)) for item in bundle]
         outcomes = [future.result() for future in futures]
         counts: dict[str, int] = {}
         for outcome in outcomes:
             counts[outcome] = counts.get(outcome, 0) + 1
         return " ".join(f"{outcome}x{count}" for outcome, count in sorted(counts.items()))
 
-    def _process(self, bodies: list[dict[str, Any]]) -> list[str]:
+    def _process(self, items: list[ResultMessage | _Malformed]) -> list[str]:
         decoded: list[tuple[int, ResultMessage]] = []
         malformed: list[tuple[int, dict[str, Any], str]] = []
-        for i, body in enumerate(bodies):
-            try:
-                decoded.append((i, ResultMessage.from_json(body)))
-            except PayloadError as error:
-                malformed.append((i, body if isinstance(body, dict) else {}, str(error)))
+        for i, item in enumerate(items):
+            if isinstance(item, _Malformed):
+                malformed.append((i, item.body, item.error))
+            else:
+                decoded.append((i, item))
 
         def write(session: Session):  # type: ignore[no-untyped-def]
             now = utcnow()
@@ -98,7 +103,7 @@ class ResultConsumer:
             return recorded
 
         batch = self.ledger.transaction(write, what="record results")
-        outcomes = ["MALFORMED"] * len(bodies)
+        outcomes = ["MALFORMED"] * len(items)
         for (i, _), recorded in zip(decoded, batch.outcomes, strict=True):
             outcomes[i] = recorded.outcome.value
         for _, _, error in malformed:
@@ -161,6 +166,21 @@ class _BackgroundRelay:
             self._closing = True
             self._cond.notify()
         self._thread.join(timeout)
+
+
+@dataclass(frozen=True)
+class _Malformed:
+    """A result body that did not decode: recorded in `rejected_results` with its batch."""
+
+    body: dict[str, Any]
+    error: str
+
+
+def _decode(body: Any) -> ResultMessage | _Malformed:
+    try:
+        return ResultMessage.from_json(body)
+    except PayloadError as error:
+        return _Malformed(body if isinstance(body, dict) else {}, str(error))
 
 
 def _within_limit(message: ResultMessage, limit: int | None) -> ResultMessage:
