@@ -409,10 +409,17 @@ class RunContext:
                 .limit(self._lendable_chunk)
             ).all()
             # Two columns, not the groups: a group's payload is large and only the one a
-            # slot borrows is loaded (by `group`, when it moves).
+            # slot borrows is loaded (by `group`, when it moves). A parked group too stale for
+            # the earliest open step can serve none (it stays parked, unused, for good): left
+            # out, or the oldest-first prefix would fill up with them as a run goes on and
+            # hide every group still lendable.
             parked = self.session.execute(
                 select(Group.attempt_id, Group.weight_version)
-                .where(Group.run_id == self.run.id, Group.parked.is_(True))
+                .where(
+                    Group.run_id == self.run.id,
+                    Group.parked.is_(True),
+                    Group.weight_version >= earliest_open - self.settings.max_lookahead_versions,
+                )
                 .order_by(Group.weight_version, Group.attempt_id)
                 .limit(self._lendable_chunk)
             ).all()

@@ -12,8 +12,8 @@ from refill.models import context as context_module
 from refill.models.context import RunContext
 from refill.models.ids import FIRST_BLOCK, IdBlocks
 from refill.models.slots import shrink
-from refill.models.tables import Attempt, Outbox, ShrinkReason, Slot, SlotStatus, Step, StepStatus
-from tests.support.driver import Driver
+from refill.models.tables import Attempt, Group, Outbox, ShrinkReason, Slot, SlotStatus, Step, StepStatus
+from tests.support.driver import SPREAD, Driver
 
 
 def _waiting_truth(session, run_id: int, limit: int) -> list[tuple[int, int]]:  # type: ignore[no-untyped-def]
@@ -138,3 +138,36 @@ def test_sqlite_assigns_its_own_ids(sqlite_ledger) -> None:  # type: ignore[no-u
     assert ids == list(range(ids[0], ids[0] + len(ids)))
     with sqlite_ledger.session() as session:
         assert session.scalar(select(Attempt.id).order_by(Attempt.id.desc()).limit(1)) == ids[-1]
+
+
+def test_lenders_leave_out_parked_groups_too_stale_for_every_open_step(ledger, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Parked groups that expired stay parked; loaded oldest first, enough of them would hide
+    every parked group still lendable."""
+    d = Driver(ledger, {"grpo": {"max_num_steps": 6}}, num_prompts=80)
+    d.admit()
+    for step in (0, 1):
+        d.fill_step(step)
+        assert d.train(step)
+    assert [s.step for s in d.steps() if s.status == "open"] == [2, 3]  # floor: weights >= 1
+    monkeypatch.setattr(context_module, "LENDER_CHOICES", 1)  # a prefix of 3 for one result
+
+    def look(session):  # type: ignore[no-untyped-def]
+        spare = d.live(3)[:4]
+        for attempt, version in zip(spare, [0, 0, 0, 2], strict=True):
+            session.add(
+                Group(
+                    attempt_id=attempt.id, run_id=d.run_id, prompt_id=attempt.prompt_id,
+                    origin_step=3, weight_version=version, rewards=SPREAD, reward_mean=0.5,
+                    zero_variance=False, prompt_token_ids=[1], completions=[], num_tokens=4,
+                    committed_at=d.now, parked=True, moves=0,
+                )
+            )
+        session.flush()
+        ctx = RunContext.open(session, d.run_id, d.now)
+        ctx.size_caches(1)
+        parked, _, _ = ctx.lendable_parts()
+        assert [view.attempt_id for view in parked] == [spare[3].id]
+        raise Rollback
+
+    with pytest.raises(Rollback):
+        ledger.transaction(look)
