@@ -12,7 +12,16 @@ from refill.models import context as context_module
 from refill.models.context import RunContext
 from refill.models.ids import FIRST_BLOCK, IdBlocks
 from refill.models.slots import shrink
-from refill.models.tables import Attempt, Group, Outbox, ShrinkReason, Slot, SlotStatus, Step, StepStatus
+from refill.models.tables import (
+    Attempt,
+    Group,
+    Outbox,
+    ShrinkReason,
+    Slot,
+    SlotStatus,
+    Step,
+    StepStatus,
+)
 from tests.support.driver import SPREAD, Driver
 
 
