@@ -92,12 +92,14 @@ def claim_training(
             since = previous.trained_at if previous is not None else ctx.run.started_at
             idle = seconds_between(since, row.released_at)
             metrics.trainer_idle_seconds = max(0.0, idle) if idle is not None else None
+    # Columns, not Group objects: the step's groups are read once, under the run's lock, and
+    # the session need not track thousands of large rows it never changes.
     rows = session.execute(
-        select(Group)
+        select(Group.attempt_id, Group.prompt_token_ids, Group.completions, Group.rewards, Group.weight_version)
         .join(Slot, Slot.group_attempt_id == Group.attempt_id)
         .where(Slot.run_id == run_id, Slot.step == step, Slot.status == SlotStatus.COMMITTED.value)
         .order_by(Slot.idx)
-    ).scalars()
+    )
     groups = []
     for group in rows:
         if decisions.staleness(step, group.weight_version) > ctx.settings.max_lookahead_versions:
