@@ -12,17 +12,8 @@ from sqlalchemy.orm import Session
 from refill.models import decisions
 from refill.models.context import RunContext
 from refill.models.dataloader import add_to_pool, draw, refill_spare_pool
-from refill.models.tables import (
-    Attempt,
-    AttemptReason,
-    AttemptState,
-    Outbox,
-    OutboxKind,
-    Slot,
-    SlotStatus,
-    Step,
-    StepStatus,
-)
+from refill.models.slots import attempt_values, generate_outbox_values
+from refill.models.tables import Attempt, AttemptReason, Outbox, Slot, SlotStatus, Step, StepStatus
 
 
 @dataclass
@@ -105,46 +96,20 @@ def open_step(ctx: RunContext, step: int, prompt_ids: list[int]) -> Step:
                 "prompt_id": prompt_id,
                 "filter_budget": settings.filter_budget,
                 "drop_budget": settings.drop_budget,
-                "attempts": 1,
+                "attempts": 1,  # its first attempt, inserted below
             }
             for idx, prompt_id in enumerate(prompt_ids)
         ],
     )
-    min_version = max(0, step - settings.max_lookahead_versions)
     attempt_ids = ctx.ids.insert(
         Attempt.__table__,
         [
-            {
-                "run_id": run_id,
-                "step": step,
-                "slot_idx": idx,
-                "origin_step": step,
-                "origin_slot": idx,
-                "prompt_id": prompt_id,
-                "try_no": 1,
-                "reason": AttemptReason.FIRST.value,
-                "state": AttemptState.PENDING.value,
-                "min_weight_version": min_version,
-                "created_at": now,
-                "available_at": now,
-            }
+            attempt_values(ctx, step=step, slot_idx=idx, prompt_id=prompt_id, reason=AttemptReason.FIRST, available=now)
             for idx, prompt_id in enumerate(prompt_ids)
         ],
     )
+    outbox = generate_outbox_values(ctx, now)
     ctx.bulk_outbox_ids.extend(
-        ctx.ids.insert(
-            Outbox.__table__,
-            [
-                {
-                    "run_id": run_id,
-                    "kind": OutboxKind.GENERATE.value,
-                    "attempt_id": attempt_id,
-                    "payload": {},
-                    "created_at": now,
-                    "available_at": now,
-                }
-                for attempt_id in attempt_ids
-            ],
-        )
+        ctx.ids.insert(Outbox.__table__, [{**outbox, "attempt_id": attempt_id} for attempt_id in attempt_ids])
     )
     return row

@@ -9,6 +9,8 @@ dispatched EXTRA attempts serve a step without a slot. All functions run inside 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
 
 from sqlalchemy import case, exists, select, update
 from sqlalchemy.orm.util import identity_key
@@ -46,6 +48,45 @@ class RunFailed(Exception):
 # --- dispatch ----------------------------------------------------------------------------
 
 
+def attempt_values(
+    ctx: RunContext,
+    *,
+    step: int,
+    slot_idx: int | None,
+    prompt_id: int,
+    reason: AttemptReason,
+    try_no: int = 1,
+    available: datetime,
+    origin: tuple[int, int | None] | None = None,
+) -> dict[str, Any]:
+    """The columns of a new attempt (for `dispatch`, and admission's multi-row insert)."""
+    return {
+        "run_id": ctx.run.id,
+        "step": step,
+        "slot_idx": slot_idx,
+        "origin_step": origin[0] if origin else step,
+        "origin_slot": origin[1] if origin else slot_idx,
+        "prompt_id": prompt_id,
+        "try_no": try_no,
+        "reason": reason.value,
+        "state": AttemptState.PENDING.value,
+        "min_weight_version": max(0, step - ctx.settings.max_lookahead_versions),
+        "created_at": ctx.now,
+        "available_at": available,
+    }
+
+
+def generate_outbox_values(ctx: RunContext, available: datetime) -> dict[str, Any]:
+    """The columns of a new attempt's `generate` outbox row, but its attempt."""
+    return {
+        "run_id": ctx.run.id,
+        "kind": OutboxKind.GENERATE.value,
+        "payload": {},
+        "created_at": ctx.now,
+        "available_at": available,
+    }
+
+
 def dispatch(
     ctx: RunContext,
     *,
@@ -61,32 +102,22 @@ def dispatch(
     available = ctx.later(delay_seconds)
     attempt = Attempt(
         **ctx.ids.ids("attempts"),
-        run_id=ctx.run.id,
-        step=step,
-        slot_idx=slot.idx if slot is not None else None,
-        origin_step=origin[0] if origin else step,
-        origin_slot=origin[1] if origin else (slot.idx if slot is not None else None),
-        prompt_id=prompt_id,
-        try_no=try_no,
-        reason=reason.value,
-        state=AttemptState.PENDING.value,
-        min_weight_version=max(0, step - ctx.settings.max_lookahead_versions),
-        created_at=ctx.now,
-        available_at=available,
+        **attempt_values(
+            ctx,
+            step=step,
+            slot_idx=slot.idx if slot is not None else None,
+            prompt_id=prompt_id,
+            reason=reason,
+            try_no=try_no,
+            available=available,
+            origin=origin,
+        ),
     )
     ctx.session.add(attempt)
     if slot is not None:
         slot.attempts += 1
         ctx.new_live[(slot.step, slot.idx)] = attempt
-    row = Outbox(
-        **ctx.ids.ids("outbox"),
-        run_id=ctx.run.id,
-        kind=OutboxKind.GENERATE.value,
-        attempt=attempt,
-        payload={},
-        created_at=ctx.now,
-        available_at=available,
-    )
+    row = Outbox(**ctx.ids.ids("outbox"), **generate_outbox_values(ctx, available), attempt=attempt)
     ctx.session.add(row)
     ctx.outbox.append(row)
     return attempt
