@@ -10,8 +10,8 @@ the unit of work sends one short statement for all the rows (`executemany`, pipe
 psycopg, parsed once).
 
 A block is drawn with one query, and the next one is twice as large (up to `MAX_BLOCK`), so a
-transaction that creates a handful of rows asks once and one that creates thousands asks about
-a dozen times. Ids a transaction drew and did not use are never used: a sequence only moves
+transaction that creates a handful of rows one at a time asks once, and one that creates
+thousands asks about a dozen times; `insert`, which knows how many it needs, asks once. Ids a transaction drew and did not use are never used: a sequence only moves
 forward, so ids have gaps, as they do after any rolled-back insert. Ids still grow in the
 order one transaction creates its rows, which is the order the ledger reads some of them back
 in (the spare pool, oldest first).
@@ -76,22 +76,32 @@ class IdBlocks:
         if not free:
             size = self._next_size.get(table, FIRST_BLOCK)
             self._next_size[table] = min(MAX_BLOCK, size * 2)
-            ids = self.session.scalars(
-                text("SELECT nextval(CAST(:sequence AS regclass)) FROM generate_series(1, :size)"),
-                {"sequence": _sequence(self.session, table), "size": size},
-            ).all()
             # Popped from the end: reversed so that rows get ids in the order they are made.
-            free = self._free[table] = sorted(ids, reverse=True)
+            free = self._free[table] = self._draw(table, size)[::-1]
         return free.pop()
+
+    def _draw(self, table: str, count: int) -> list[int]:
+        """`count` fresh ids of `table`, ascending, in one query."""
+        ids = self.session.scalars(
+            text("SELECT nextval(CAST(:sequence AS regclass)) FROM generate_series(1, :count)"),
+            {"sequence": _sequence(self.session, table), "count": count},
+        ).all()
+        return sorted(ids)
 
     def insert(self, table: Table, rows: list[dict[str, Any]]) -> list[int]:
         """Insert `rows` into `table` (one executemany) and return their ids, in order."""
         if not rows:
             return []
         if self.enabled:
-            for row in rows:
-                row["id"] = self.next(table.name)
+            # What is left of the current block, then the rest in one query (not block by
+            # block: admission asks for thousands at once).
+            free = self._free.get(table.name) or []
+            taken = free[::-1][: len(rows)]
+            del free[len(free) - len(taken) :]
+            ids = taken + (self._draw(table.name, len(rows) - len(taken)) if len(rows) > len(taken) else [])
+            for row, new_id in zip(rows, ids, strict=True):
+                row["id"] = new_id
             self.session.execute(insert(table), rows)
-            return [row["id"] for row in rows]
+            return ids
         returned = self.session.execute(insert(table).returning(table.c.id, sort_by_parameter_order=True), rows)
         return [int(i) for i in returned.scalars()]
