@@ -640,6 +640,17 @@ def check_counters(ctx: Context) -> list[Violation]:
                 f"{ctx.run.scored_groups} scored; its attempts say {zero} of {scored}",
             )
         )
+    spares = s.scalar(
+        select(func.count()).where(SparePrompt.run_id == run_id, SparePrompt.taken_at.is_(None))
+    )
+    if ctx.run.spare_prompts_available != spares:
+        out.append(
+            ctx.violation(
+                name,
+                f"run counts {ctx.run.spare_prompts_available} spare prompts available; "
+                f"the pool holds {spares} untaken",
+            )
+        )
     return out
 
 
@@ -789,7 +800,7 @@ CHECKS: tuple[Check, ...] = (
     Check("released_step_not_full", "each released step full: committed == num_slots - shrunk, no open slot", check_released_full),
     Check("weight_versions", "weight versions 0..v contiguous, one per trained step", check_weight_versions),
     Check("live_attempts", "an open slot of an open step has exactly one live attempt; settled slots none", check_live_attempts),
-    Check("step_counters", "step counters (committed, shrunk, dropped) agree with their slots; the run's scored and zero-variance group counts with its attempts", check_counters),
+    Check("step_counters", "step counters (committed, shrunk, dropped) agree with their slots; the run's scored and zero-variance group counts with its attempts, its spare-pool count with the pool", check_counters),
     Check("group_placement", "each committed group in one slot or parked, and only in a committed slot; groups belong to committed attempts", check_group_placement),
     Check("outbox", "pending attempts have an unsent message; released steps have metrics and a train_step message", check_messages),
     Check("spare_pool", "a taken spare prompt is run by the attempt that took it", check_spare_pool),

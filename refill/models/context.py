@@ -19,11 +19,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import bindparam, event, func, insert, inspect, select, tuple_, update
+from sqlalchemy import and_, bindparam, event, func, insert, inspect, or_, select, update
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import NO_VALUE, flag_modified, set_committed_value
 from sqlalchemy.orm.util import identity_key
 
+from refill.models.bulk_update import write_changed_rows
 from refill.models.db import lock_run
 from refill.models.ids import IdBlocks
 from refill.models.samplers import GroupView, Sampler
@@ -113,6 +114,9 @@ def _before_flush(session: Session, flush_context, instances) -> None:  # type: 
             for name in union - keys:
                 if name in loaded:
                     flag_modified(obj, name)
+    # On PostgreSQL the slots' and attempts' changes go out as one UPDATE per table here; the
+    # flush then writes what is left (inserts, and the few rows of the other tables).
+    write_changed_rows(session, (Slot, Attempt))
 
 
 def literal_in(column, values):  # type: ignore[no-untyped-def]
@@ -120,6 +124,23 @@ def literal_in(column, values):  # type: ignore[no-untyped-def]
     rather than bound one parameter each: psycopg parses a statement with more than 50
     parameters again on every execution (no cache), which costs more than the query."""
     return column.in_(bindparam(None, list(values), expanding=True, literal_execute=True))
+
+
+def slot_keys_in(step_column, idx_column, keys):  # type: ignore[no-untyped-def]
+    """`(step, idx) IN keys`, written per step as `step = s AND idx IN (...)`: PostgreSQL plans
+    a row-value IN list as a filter over every row of the step, and the per-step form as an
+    index condition."""
+    by_step: dict[int, set[int]] = {}
+    for step, idx in keys:
+        by_step.setdefault(step, set()).add(idx)
+    return or_(*(and_(step_column == step, literal_in(idx_column, sorted(idxs))) for step, idxs in sorted(by_step.items())))
+
+
+def literal(value):  # type: ignore[no-untyped-def]
+    """A value written into the SQL: a partial index whose predicate names it (`status =
+    'open'`) can serve the query under a generic (prepared) plan, where a bound parameter could
+    be any value."""
+    return bindparam(None, value, literal_execute=True)
 
 
 def _slot_index(slot: Slot) -> int:
@@ -143,7 +164,6 @@ class RunContext:
     #: live slot-bound attempts created in this transaction, by the slot they serve: no other
     #: transaction can see them yet, so they can be re-aimed in memory.
     new_live: dict[tuple[int, int], Attempt] = field(default_factory=dict)
-    _spare_count: int | None = None
     _pending_releases: list[tuple[int, int]] = field(default_factory=list)
     #: attempts that finished in this transaction while serving their open slot: they keep
     #: the slot when it is later handed to an extra (they are part of its history)
@@ -237,8 +257,8 @@ class RunContext:
         table = Attempt.__table__
         query = update(table).where(
             table.c.run_id == self.run.id,
-            literal_in(tuple_(table.c.step, table.c.slot_idx), keys),
-            table.c.state.in_(_LIVE),
+            slot_keys_in(table.c.step, table.c.slot_idx, keys),
+            literal_in(table.c.state, _LIVE),
         )
         # Both are still live in the database: their own changes are written after this.
         settled = [*finished_here, *self.served_slot]
@@ -305,13 +325,9 @@ class RunContext:
 
     @property
     def spare_count(self) -> int:
-        if self._spare_count is None:
-            self._spare_count = self.session.scalar(
-                select(func.count())
-                .select_from(SparePrompt)
-                .where(SparePrompt.run_id == self.run.id, SparePrompt.taken_at.is_(None))
-            ) or 0
-        return self._spare_count
+        """Untaken prompts in the spare pool (the run's counter, kept by `add_spares` and
+        `spare_taken`; `refill check` compares it with the pool)."""
+        return int(self.run.spare_prompts_available or 0)
 
     def add_spares(self, rows: list[dict]) -> None:  # type: ignore[type-arg]
         """Write spare prompts to the pool (rows of `spare_prompts`), as one multi-row insert
@@ -319,9 +335,8 @@ class RunContext:
         this transaction are loaded back, by `next_spare`."""
         if not rows:
             return
-        self.spare_count  # noqa: B018 - the stored pool is counted before it grows
         self.session.execute(insert(SparePrompt.__table__), rows)
-        self._spare_count = (self._spare_count or 0) + len(rows)
+        self.run.spare_prompts_available = self.spare_count + len(rows)
         # Their ids are above every spare loaded so far: the next load finds them.
         self._spares_db_done = False
 
@@ -359,7 +374,7 @@ class RunContext:
             self._spares_db_done = not self._spares_db
 
     def spare_taken(self) -> None:
-        self._spare_count = max(0, self.spare_count - 1)
+        self.run.spare_prompts_available = self.spare_count - 1
 
     # --- groups a slot may borrow ----------------------------------------------------------
 
@@ -457,7 +472,7 @@ class RunContext:
             self.session.scalars(
                 select(Slot)
                 .join(Step, (Step.run_id == Slot.run_id) & (Step.step == Slot.step))
-                .where(Slot.run_id == self.run.id, Slot.status == _SLOT_OPEN, Step.status == _STEP_OPEN, *conditions)
+                .where(Slot.run_id == self.run.id, Slot.status == literal(_SLOT_OPEN), Step.status == _STEP_OPEN, *conditions)
                 .order_by(*order_by)
                 .limit(limit)
             )
@@ -513,21 +528,25 @@ class RunContext:
     # --- open slots, for placements that may take any of them ---------------------------------
 
     def open_slots(self, max_step: int, limit: int) -> list[Slot]:
-        """The first `limit` open slots of open steps up to `max_step`, in placement order
-        (step, slots waiting on a replacement first, index), as the database would return them
-        after a flush, without a flush and a query per placement.
+        """The first `limit` open slots of open steps up to `max_step` in (step, index) order,
+        as the database would return them after a flush, without a flush and a query per
+        placement.
 
-        A prefix of that order is loaded once per transaction. Slots only leave it during the
-        transaction (filled or shrunk, checked here on use), except a lender's slot that a
-        borrow re-opens, which `waiting()` holds. While the prefix still has `limit` usable
-        slots, or reaches past `max_step`, or is the whole set, its usable slots are the
-        answer; otherwise it is loaded again. The caller merges `waiting()` and sorts.
+        Placement order puts a step's slots waiting on a replacement first; the caller merges
+        `waiting_up_to` (those, exactly) and sorts. That holds every slot of the first `limit`
+        in placement order: a slot not waiting has no more slots before it in (step, index)
+        order than in placement order.
+
+        A prefix of that order is loaded once per transaction (read in the order of the
+        `ix_slots_open` index, not sorted). Slots only leave it during the transaction (filled
+        or shrunk, checked here on use), except a lender's slot that a borrow re-opens, which
+        `waiting()` holds. While the prefix still has `limit` usable slots, or reaches past
+        `max_step`, or is the whole set, its usable slots are the answer; otherwise it is
+        loaded again.
         """
         for _ in range(2):
             if self._open_slots is None:
-                rows = self._load_open_slots(
-                    order_by=(Slot.step, Slot.needs_replacement.desc(), Slot.idx), limit=OPEN_CHUNK
-                )
+                rows = self._load_open_slots(order_by=(Slot.step, Slot.idx), limit=OPEN_CHUNK)
                 self._open_slots = self.pin(list(rows))
                 self._open_slots_truncated = len(rows) == OPEN_CHUNK
             # Drop what has settled since, so later calls do not look at it again.
@@ -540,9 +559,8 @@ class RunContext:
                 or not self._open_slots_truncated
                 or (live and live[-1].step > max_step)
             ):
-                # In memory a slot can only move up the order (its prompt filtered, it starts
-                # waiting; `waiting()` has it then), so the first `limit` in the loaded order
-                # hold every slot of the first `limit` in the current one that is not waiting.
+                # A slot's place in (step, index) order never changes, so the loaded order is
+                # the current one.
                 return found[:limit]
             self._open_slots = None
         return found

@@ -32,12 +32,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from itertools import pairwise
 
-from sqlalchemy import case, func, select, update
+from sqlalchemy import and_, case, func, or_, select, update
 from sqlalchemy.orm.util import identity_key
 
 from refill.models import decisions
-from refill.models.context import RunContext
+from refill.models.context import RunContext, literal_in
 from refill.models.dataloader import take_spare
 from refill.models.samplers import SlotView
 from refill.models.slots import LIVE, dispatch, fill, measured_zero_variance, release_to_extra
@@ -79,7 +80,7 @@ def top_up(ctx: RunContext) -> int:
         return 0
     live = ctx.session.scalar(
         select(func.count()).where(
-            Attempt.run_id == ctx.run.id, Attempt.state.in_(LIVE), Attempt.step == newest.step
+            Attempt.run_id == ctx.run.id, literal_in(Attempt.state, LIVE), Attempt.step == newest.step
         )
     )
     # Parked groups the newest step may borrow are supply already committed.
@@ -114,20 +115,31 @@ def top_up(ctx: RunContext) -> int:
 def reaim_stranded_extras(ctx: RunContext) -> int:
     """Move the unstarted extras of steps that are no longer open to the newest open step (with
     that step's staleness floor); returns how many moved. Call after a flush."""
-    target = ctx.session.scalar(
-        select(func.max(Step.step)).where(Step.run_id == ctx.run.id, Step.status == StepStatus.OPEN.value)
+    open_steps = list(
+        ctx.session.scalars(
+            select(Step.step).where(Step.run_id == ctx.run.id, Step.status == StepStatus.OPEN.value).order_by(Step.step)
+        )
     )
-    if target is None:
+    if not open_steps:
         return 0
+    target = open_steps[-1]
     floor = max(0, target - ctx.settings.max_lookahead_versions)
-    settled = select(Step.step).where(Step.run_id == ctx.run.id, Step.status != StepStatus.OPEN.value)
+    # "Not an open step", spelled as the ranges between the open steps: index ranges that
+    # reach only extras of settled steps. (Thousands of extras can be queued for the open
+    # steps; `step IN (settled steps)` read every one of them on every batch.)
+    bounds = [-1, *open_steps, None]
+    settled = [
+        and_(Attempt.step > low, Attempt.step < high) if high is not None else Attempt.step > low
+        for low, high in pairwise(bounds)
+        if high is None or high > low + 1
+    ]
     moved = ctx.session.execute(
         update(Attempt)
         .where(
             Attempt.run_id == ctx.run.id,
             Attempt.slot_idx.is_(None),
-            Attempt.state.in_(_UNSTARTED),
-            Attempt.step.in_(settled),
+            literal_in(Attempt.state, _UNSTARTED),
+            or_(*settled),
         )
         .values(
             step=target,

@@ -13,11 +13,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import select, tuple_
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from refill.models import decisions
-from refill.models.context import RunContext, literal_in, utcnow
+from refill.models.context import RunContext, literal_in, slot_keys_in, utcnow
 from refill.models.db import UnknownRun
 from refill.models.overdispatch import top_up
 from refill.models.payload import Completion, ResultMessage
@@ -115,7 +115,7 @@ def _preload(ctx: RunContext, attempt_ids: list[int]) -> dict[int, Attempt]:
     }
     keys = {(a.step, a.slot_idx) for a in attempts.values() if a.slot_idx is not None}
     if keys:
-        ctx.pin(list(session.scalars(select(Slot).where(Slot.run_id == run_id, literal_in(tuple_(Slot.step, Slot.idx), keys)))))
+        ctx.pin(list(session.scalars(select(Slot).where(Slot.run_id == run_id, slot_keys_in(Slot.step, Slot.idx, keys)))))
     ctx.pin(list(session.scalars(select(Step).where(Step.run_id == run_id, Step.status != StepStatus.TRAINED.value))))
     return attempts
 
@@ -133,7 +133,6 @@ def _warm_caches(ctx: RunContext) -> None:
     ctx.waiting()
     if ctx.settings.use_dynamic_sampling:
         ctx.lendable_parts()  # a filtered group's slot borrows
-        ctx.spare_count  # noqa: B018 - a property that loads the stored count
         ctx.warm_spares()
     if ctx.settings.over_dispatch or ctx.settings.sampler_name != "in_order":
         ctx.open_slots(-1, 0)  # an extra, or any group under another sampler, takes an open slot

@@ -190,6 +190,9 @@ class Run(Base):
     # reading it does not count a run's attempts (refill check compares them).
     scored_groups: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     zero_variance_groups: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    # Untaken prompts of the spare pool, for the same reason: counting them took a scan of
+    # the pool's index (and a heap fetch per row) on every batch.
+    spare_prompts_available: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     stop_requested: Mapped[bool] = mapped_column(Boolean, default=False)
     controller_id: Mapped[str | None] = mapped_column(String(200))
     controller_seen_at: Mapped[datetime | None]
@@ -256,6 +259,26 @@ class Slot(Base):
         CheckConstraint("drop_replacements <= drop_budget", name="drop_budget"),
         CheckConstraint("filtered <= filter_budget + 1", name="filtered_range"),
         Index(None, "group_attempt_id", unique=True),
+        # The consumer reads the first open slots of the open steps, and the first slots waiting
+        # on a replacement, in (step, idx) order on every batch: walked in order and cut at the
+        # LIMIT instead of sorting every open slot of the run (both scanned ~4000 rows for a
+        # 4096-prompt step). The queries spell these predicates out with literal values.
+        Index(
+            "ix_slots_open",
+            "run_id",
+            "step",
+            "idx",
+            postgresql_where=text("status = 'open'"),
+            sqlite_where=text("status = 'open'"),
+        ),
+        Index(
+            "ix_slots_waiting",
+            "run_id",
+            "step",
+            "idx",
+            postgresql_where=text("status = 'open' AND needs_replacement IS true"),
+            sqlite_where=text("status = 'open' AND needs_replacement IS true"),
+        ),
     )
 
     run_id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -305,6 +328,24 @@ class Attempt(Base):
             "leased_until",
             postgresql_where=text("state IN ('queued', 'running')"),
             sqlite_where=text("state IN ('queued', 'running')"),
+        ),
+        # Live attempts by step: over-dispatch counts the newest step's on every batch (the
+        # (run_id, step, slot_idx) index walked every attempt of the step, finished or not).
+        Index(
+            "ix_attempts_live_step",
+            "run_id",
+            "step",
+            postgresql_where=text("state IN ('pending', 'queued', 'running')"),
+            sqlite_where=text("state IN ('pending', 'queued', 'running')"),
+        ),
+        # Extras not started yet: the ones over-dispatch re-aims when their step settles, looked
+        # for on every batch; a handful at any time, among every extra the run ever made.
+        Index(
+            "ix_attempts_unstarted_extras",
+            "run_id",
+            "step",
+            postgresql_where=text("slot_idx IS NULL AND state IN ('pending', 'queued')"),
+            sqlite_where=text("slot_idx IS NULL AND state IN ('pending', 'queued')"),
         ),
     )
 

@@ -408,6 +408,21 @@ def test_run_group_counts_that_disagree_with_the_attempts(d: Driver) -> None:
     ]
 
 
+def test_spare_pool_count_that_disagrees_with_the_pool(d: Driver) -> None:
+    pool = len(d.spare_pool())
+    assert d.run().spare_prompts_available == pool > 0
+    v = found(
+        d,
+        lambda s: s.execute(
+            update(Run).where(Run.id == d.run_id).values(spare_prompts_available=Run.spare_prompts_available - 1)
+        ),
+    )
+    assert where(v) == {("step_counters", None, None, None)}
+    assert messages(v, ("step_counters", None, None, None)) == [
+        f"run counts {pool - 1} spare prompts available; the pool holds {pool} untaken"
+    ]
+
+
 # --- staleness and admission -------------------------------------------------------------------
 
 

@@ -115,3 +115,22 @@ def test_0004_counts_the_groups_of_runs_recorded_before_it(empty_url: str) -> No
         run = session.get(Run, d.run_id)
         assert (run.zero_variance_groups, run.scored_groups) == (1, 3)
     ledger.dispose()
+
+
+def test_0005_counts_the_spare_pool_of_runs_recorded_before_it(empty_url: str) -> None:
+    from refill.models.db import Ledger
+    from refill.models.tables import Run
+    from tests.support.driver import FLAT, Driver
+
+    ledger = Ledger(empty_url)
+    upgrade(ledger.engine)
+    d = Driver(ledger, check=False)
+    d.admit()
+    d.filter_slot(0, 0, FLAT)  # its replacement takes a spare
+    pool = len(d.spare_pool())
+    assert pool > 0
+    downgrade(ledger.engine, "0004")
+    upgrade(ledger.engine)
+    with ledger.session() as session:
+        assert session.get(Run, d.run_id).spare_prompts_available == pool
+    ledger.dispose()
