@@ -112,6 +112,17 @@ def top_up(ctx: RunContext) -> int:
     return sent
 
 
+def steps_between(open_steps: Sequence[int]) -> list[tuple[int, int | None]]:
+    """The steps that are not in `open_steps` (sorted), as open intervals `(low, high)` with
+    `high = None` for no upper end: [2, 3, 6] -> [(-1, 2), (3, 6), (6, None)]."""
+    bounds: list[int | None] = [-1, *open_steps, None]
+    return [
+        (low, high)
+        for low, high in pairwise(bounds)
+        if low is not None and (high is None or high > low + 1)
+    ]
+
+
 def reaim_stranded_extras(ctx: RunContext) -> int:
     """Move the unstarted extras of steps that are no longer open to the newest open step (with
     that step's staleness floor); returns how many moved. Call after a flush."""
@@ -127,11 +138,9 @@ def reaim_stranded_extras(ctx: RunContext) -> int:
     # "Not an open step", spelled as the ranges between the open steps: index ranges that
     # reach only extras of settled steps. (Thousands of extras can be queued for the open
     # steps; `step IN (settled steps)` read every one of them on every batch.)
-    bounds = [-1, *open_steps, None]
     settled = [
         and_(Attempt.step > low, Attempt.step < high) if high is not None else Attempt.step > low
-        for low, high in pairwise(bounds)
-        if high is None or high > low + 1
+        for low, high in steps_between(open_steps)
     ]
     moved = ctx.session.execute(
         update(Attempt)
