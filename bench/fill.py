@@ -187,11 +187,16 @@ def policies_for(lookahead: int, names: Sequence[str]) -> list[RefillPolicy]:
             out.append(RefillPolicy(name="refill", max_lookahead_versions=lookahead))
         elif name == "no-od":
             out.append(RefillPolicy(name="refill", max_lookahead_versions=lookahead, over_dispatch=False))
-        elif name.startswith("sigma="):
-            sigmas = float(name.split("=", 1)[1])
-            out.append(RefillPolicy(name="refill", max_lookahead_versions=lookahead, safety_sigmas=sigmas))
         else:
-            raise ValueError(f"unknown refill policy {name!r}: default, no-od or sigma=X")
+            # `sigma=X`, `tail=Y` or both, comma-separated: async_rl.over_dispatch's knobs
+            knobs = {"sigma": "safety_sigmas", "tail": "tail_fraction"}
+            values: dict[str, float] = {}
+            for part in name.split(","):
+                key, _, value = part.partition("=")
+                if key not in knobs or not value:
+                    raise ValueError(f"unknown refill policy {name!r}: default, no-od, sigma=X, tail=Y or sigma=X,tail=Y")
+                values[knobs[key]] = float(value)
+            out.append(RefillPolicy(name="refill", max_lookahead_versions=lookahead, **values))
     return out
 
 
@@ -288,7 +293,7 @@ def add_arguments(parser) -> None:  # type: ignore[no-untyped-def]
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument(
         "--refill", nargs="+", default=["default"],
-        help="refill policies per lookahead: default (production over-dispatch), no-od, sigma=X",
+        help="refill policies per lookahead: default (production over-dispatch), no-od, sigma=X, tail=Y, sigma=X,tail=Y",
     )
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--profile", action="store_true", help="print where the ledger time goes")

@@ -117,10 +117,15 @@ class RefillPolicy:
     over_dispatch: bool = True
     safety_sigmas: float = 2.0
     max_extra_fraction: float = 1.0
+    tail_fraction: float = 0.01
 
     def label(self, scenario: Scenario) -> str:
         la = self.lookahead(scenario)
-        od = f"od σ={self.safety_sigmas:g} cap={self.max_extra_fraction:g}" if self.over_dispatch else "no od"
+        od = (
+            f"od σ={self.safety_sigmas:g} cap={self.max_extra_fraction:g} tail={self.tail_fraction:g}"
+            if self.over_dispatch
+            else "no od"
+        )
         return f"{self.name} (lookahead {la}, {self.sampler}, {od})"
 
     def lookahead(self, scenario: Scenario) -> int:
@@ -161,6 +166,7 @@ def run_config(scenario: Scenario, policy: RefillPolicy) -> dict[str, Any]:
                 "enabled": policy.over_dispatch,
                 "safety_sigmas": policy.safety_sigmas,
                 "max_extra_fraction": policy.max_extra_fraction,
+                "tail_fraction": policy.tail_fraction,
             },
         },
         "rollout_failure": {"replacement_reserve_prompts": scenario.prompts_per_step},

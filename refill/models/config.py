@@ -303,6 +303,11 @@ class OverDispatchConfig(_Section):
     enabled: bool = True
     safety_sigmas: float = Field(2.0, ge=0)
     max_extra_fraction: float = Field(1.0, ge=0)
+    # A step whose open slots are at most this fraction of its slots (at least one) is in its
+    # tail: a group may fill one of them although it displaces an attempt generating with
+    # weights too old for a later step (that attempt's group is then likely lost). Higher
+    # fills a step sooner and wastes more (bench/README.md, `bench fill --refill tail=X`).
+    tail_fraction: float = Field(0.01, ge=0, le=1)
 
 
 class AsyncRLConfig(_Section):

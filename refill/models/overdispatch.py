@@ -22,8 +22,9 @@ is the newest admitted step can serve steps up to `s` only. Whatever such attemp
   an older step would be generated with weights too old for any step after it.
 - **an extra does not displace an attempt that is generating with weights too old for a later
   step** (`displaceable`): the displaced attempt would come back after its step filled and be
-  lost. Only a step's last open slots (`TAIL_FRACTION` of its slots, at least one) may take a
-  group that displaces one: that trims the slowest stragglers of each step for a bounded loss.
+  lost. Only a step's last open slots (`async_rl.over_dispatch.tail_fraction` of its slots, at
+  least one) may take a group that displaces one: that trims the slowest stragglers of each
+  step for a bounded loss.
 - **unstarted extras of a step that was released move to the newest open step**
   (`reaim_stranded_extras`): they will start with the newest weights and count there.
 """
@@ -52,10 +53,6 @@ from refill.models.tables import (
     Step,
     StepStatus,
 )
-
-#: A step whose open slots are at most this fraction of its slots (and at least one) is in its
-#: tail: its slots may take groups that displace attempts generating with old weights.
-TAIL_FRACTION = 0.01
 
 _RUNNING = AttemptState.RUNNING.value
 _UNSTARTED = (AttemptState.PENDING.value, AttemptState.QUEUED.value)
@@ -164,8 +161,10 @@ def reaim_stranded_extras(ctx: RunContext) -> int:
     return len(moved)
 
 
-def tail_slots(num_slots: int) -> int:
-    return max(1, math.ceil(TAIL_FRACTION * num_slots))
+def tail_slots(num_slots: int, fraction: float) -> int:
+    """How many open slots a step has left when it is in its tail: its slots may then take
+    groups that displace attempts generating with old weights (`over_dispatch.tail_fraction`)."""
+    return max(1, math.ceil(fraction * num_slots))
 
 
 def displaceable(ctx: RunContext, candidates: Sequence[SlotView]) -> list[SlotView]:
@@ -175,7 +174,7 @@ def displaceable(ctx: RunContext, candidates: Sequence[SlotView]) -> list[SlotVi
     whose live attempt is generating with weights too old for any later step (`min_weight_version
     + max_lookahead_versions <= step`): it would most likely come back after the step filled,
     when no slot it may fill is open, and be lost. The exception is a step in its tail (see
-    `TAIL_FRACTION`), which should not wait on its slowest generations.
+    `tail_slots`), which should not wait on its slowest generations.
     """
     if not candidates:
         return []
@@ -186,7 +185,9 @@ def displaceable(ctx: RunContext, candidates: Sequence[SlotView]) -> list[SlotVi
         key = (view.step, view.idx)
         if view.step not in tail:
             step = ctx.step(view.step)
-            tail[view.step] = step.num_slots - step.committed - step.shrunk <= tail_slots(step.num_slots)
+            tail[view.step] = step.num_slots - step.committed - step.shrunk <= tail_slots(
+                step.num_slots, ctx.settings.over_dispatch_tail_fraction
+            )
         attempt_id = old.get(key)
         if attempt_id is None or tail[view.step] or key in ctx.new_live:
             continue
@@ -238,7 +239,7 @@ def fill_tails_from_parked(ctx: RunContext) -> int:
     ).all()
     for step in steps:
         open_count = step.num_slots - step.committed - step.shrunk
-        if not 0 < open_count <= tail_slots(step.num_slots):
+        if not 0 < open_count <= tail_slots(step.num_slots, ctx.settings.over_dispatch_tail_fraction):
             continue
         groups = ctx.session.scalars(
             select(Group)

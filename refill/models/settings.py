@@ -33,6 +33,7 @@ class LedgerSettings:
     over_dispatch: bool
     over_dispatch_sigmas: float
     over_dispatch_max_fraction: float
+    over_dispatch_tail_fraction: float
     max_attempts_per_prompt: int
     retry_backoff_seconds: float
     retry_backoff_max_seconds: float
@@ -101,6 +102,7 @@ class LedgerSettings:
             over_dispatch=bool(over.get("enabled", True)),
             over_dispatch_sigmas=float(over.get("safety_sigmas", 2.0)),
             over_dispatch_max_fraction=float(over.get("max_extra_fraction", 1.0)),
+            over_dispatch_tail_fraction=float(over.get("tail_fraction", 0.01)),
             max_attempts_per_prompt=int(get("rollout_failure", "max_attempts_per_prompt", 3)),
             retry_backoff_seconds=float(get("rollout_failure", "retry_backoff_seconds", 1.0)),
             retry_backoff_max_seconds=float(get("rollout_failure", "retry_backoff_max_seconds", 60.0)),

@@ -83,3 +83,24 @@ def test_a_parked_group_fills_the_last_open_slot_of_a_step(ledger) -> None:  # t
     # The step is down to its last slot: the parked group fills it rather than wait for (0, 0).
     assert d.slot(0, 0).group_attempt_id == extra.id and not d.group(extra.id).parked
     assert d.step(0).status == "released"
+
+
+def test_tail_fraction_sets_how_many_last_slots_may_displace_a_slow_attempt(ledger) -> None:  # type: ignore[no-untyped-def]
+    # Lookahead 0: every running attempt of step 0 generates with weights no later step may
+    # train. Two of four slots open, both running: in the tail only if it is two slots long.
+    outcomes = {}
+    for fraction in (0.01, 0.5):
+        config = over_dispatch(lookahead=0, sigmas=1.0)
+        config["async_rl"]["over_dispatch"]["tail_fraction"] = fraction
+        d = Driver(ledger, config)
+        d.admit()
+        running = [d.live_of(0, idx) for idx in (0, 1)]
+        d.start_all([a.id for a in running])
+        for idx in (2, 3):
+            d.commit_slot(0, idx)
+        extra = extras(d, 0)[0]
+        assert d.finish_one(extra.id, SPREAD).outcome is Outcome.COMMITTED
+        outcomes[fraction] = (d.group(extra.id).parked, d.slot(0, 0).group_attempt_id == extra.id)
+        if fraction == 0.5:
+            assert d.attempt(running[0].id).slot_idx is None  # displaced: an extra of its step now
+    assert outcomes == {0.01: (True, False), 0.5: (False, True)}

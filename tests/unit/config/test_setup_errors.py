@@ -220,3 +220,9 @@ def test_config_must_be_a_mapping() -> None:
     with pytest.raises(ConfigError) as caught:
         config_from_dict(["grpo"], environ={})
     assert "mapping" in caught.value.problems[0].message
+
+
+def test_tail_fraction_is_a_fraction_of_the_step() -> None:
+    assert build({"async_rl": {"over_dispatch": {"tail_fraction": 0.05}}}).async_rl.over_dispatch.tail_fraction == 0.05
+    p = problem_at("async_rl.over_dispatch.tail_fraction", {"async_rl": {"over_dispatch": {"tail_fraction": 1.5}}})
+    assert str(p).startswith("async_rl.over_dispatch.tail_fraction: ")
