@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, true
 from sqlalchemy.orm import Session
 
 from refill.models.db import Ledger
@@ -249,6 +249,19 @@ def run_detail(session: Session, run_id: int) -> dict[str, Any]:
             func.count(),
         ).where(Group.run_id == run_id)
     ).one()
+    # A parked group can serve a step at most max_lookahead_versions past its weights; once
+    # every step it could serve is released (or the run ended) it will never be trained.
+    earliest_open = session.scalar(
+        select(func.min(Step.step)).where(Step.run_id == run_id, Step.status == StepStatus.OPEN.value)
+    )
+    still_useful_from = (run.next_step if earliest_open is None else earliest_open) - settings.max_lookahead_versions
+    groups_expired = session.scalar(
+        select(func.count()).where(
+            Group.run_id == run_id,
+            Group.parked.is_(True),
+            (Group.weight_version < still_useful_from) if run.status == RunStatus.RUNNING.value else true(),
+        )
+    )
     metrics = step_metrics(session, run_id)
     trained = [m for m in metrics if m.get("reward") is not None]
     infra = dict((run.config or {}).get("infra") or {})
@@ -303,6 +316,8 @@ def run_detail(session: Session, run_id: int) -> dict[str, Any]:
             "committed": int(groups_total or 0),
             "trained": int(groups_trained or 0),
             "parked": int(groups_parked or 0),
+            # of the parked: too stale for every step still to train (wasted generations)
+            "parked_expired": int(groups_expired or 0),
         },
         "zero_variance_groups": zero,
         "finished_groups": total,

@@ -104,3 +104,28 @@ def test_tail_fraction_sets_how_many_last_slots_may_displace_a_slow_attempt(ledg
         if fraction == 0.5:
             assert d.attempt(running[0].id).slot_idx is None  # displaced: an extra of its step now
     assert outcomes == {0.01: (True, False), 0.5: (False, True)}
+
+
+def test_run_detail_counts_parked_groups_no_step_can_still_train_as_expired(ledger) -> None:  # type: ignore[no-untyped-def]
+    from sqlalchemy import update
+
+    from refill.models.queries import run_detail
+    from refill.models.tables import Group
+
+    d = Driver(ledger, over_dispatch(lookahead=0, sigmas=1.0), check=False)
+    d.admit()
+    d.start_all([d.live_of(0, idx).id for idx in range(4)])
+    extra = extras(d, 0)[0]
+    assert d.finish_one(extra.id, SPREAD).outcome is Outcome.COMMITTED and d.group(extra.id).parked
+
+    def groups() -> dict:
+        return d.query(lambda s: run_detail(s, d.run_id)["groups"])
+
+    # Weights v0 may train step 0, still open: parked, not expired.
+    assert (groups()["parked"], groups()["parked_expired"]) == (1, 0)
+    # Weights older than any open step may train (lookahead 0): expired.
+    d.ledger.transaction(lambda s: s.execute(update(Group).where(Group.attempt_id == extra.id).values(weight_version=-1)))
+    assert (groups()["parked"], groups()["parked_expired"]) == (1, 1)
+    d.ledger.transaction(lambda s: s.execute(update(Group).where(Group.attempt_id == extra.id).values(weight_version=0)))
+    d.stop()
+    assert (groups()["parked"], groups()["parked_expired"]) == (1, 1)  # the run ended
