@@ -16,7 +16,7 @@ release     the barrier's release inside the last batch: `maybe_release` minus i
 metrics     `record_release_metrics` (part of the release transaction)
 
 Printed beside them, not part of the total: the generation workers' lease handshakes
-(`start_attempt`, one transaction per attempt, in the workers' processes) and the trainer's
+(`start_attempts`, one transaction per bundle of up to 8 attempts, in the workers' processes) and the trainer's
 `claim_training` (reads the released batch).
 
 Results come from the `sim` back-end's model (prompt difficulty, n completions of
@@ -55,7 +55,7 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
         "data": {"builtin": "arith", "builtin_size": prompts},
         "generation": {
             "backend": "sim",
-            "lease_seconds": 600,
+            "lease_seconds": LEASE_SECONDS,
             "queue_timeout_seconds": 3600,
             "sim": {"zero_variance_fraction": args.p, "latency": {"distribution": "constant", "mean_seconds": 0.0}},
         },
@@ -73,6 +73,8 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
 
 
 PHASE = [""]
+#: the run's lease length
+LEASE_SECONDS = 600
 
 
 def cpu_seconds(pids: list[int]) -> float:
@@ -115,7 +117,7 @@ def one_step(
     from refill.models.config import config_from_dict
     from refill.models.dataset import load_dataset
     from refill.models.db import Ledger
-    from refill.models.leases import start_attempt
+    from refill.models.leases import start_attempts
     from refill.models.outbox import claim_outbox, mark_sent
     from refill.models.payload import GenerateMessage, ResultMessage
     from refill.models.results import Outcome, record_results
@@ -125,6 +127,7 @@ def one_step(
     from refill.rewards.scoring import score_group
     from refill.tasks.backends.base import GenerationRequest
     from refill.tasks.backends.sim import SimEngine
+    from refill.tasks.relay import GENERATE_BUNDLE
     from refill.tasks.setup import format_prompt
 
     timers = Timers()
@@ -227,31 +230,37 @@ def one_step(
                 raise RuntimeError("nothing in flight and the step is not released")
             batch, pending = pending[: args.batch], pending[args.batch :]
             results = []
-            for body in batch:
-                message = GenerateMessage.from_json(body)
+            messages = [GenerateMessage.from_json(body) for body in batch]
+            # As a worker leases a bundle (the relay sends up to 8 attempts per message): one
+            # transaction per bundle.
+            for first in range(0, len(messages), GENERATE_BUNDLE):
+                bundle = messages[first : first + GENERATE_BUNDLE]
                 if profile is not None and phase == "lease":
                     profile.enable()
                 with timers.time("lease handshakes"):
-                    lease = ledger.transaction(
-                        lambda s, a=message.attempt_id: start_attempt(s, a, "bench-worker", None, 0)
+                    leases = ledger.transaction(
+                        lambda s, ids=[m.attempt_id for m in bundle]: start_attempts(
+                            s, run_id, ids, "bench-worker", LEASE_SECONDS, None, 0
+                        )
                     )
                 if profile is not None and phase == "lease":
                     profile.disable()
-                if lease is None:
-                    continue
-                output = engine.generate([GenerationRequest.from_message(message)])[0]
-                rewards = score_group(reward_fn, [c.text for c in output.completions], message.row)
-                results.append(
-                    ResultMessage(
-                        run_id=run_id,
-                        attempt_id=message.attempt_id,
-                        worker="bench-worker",
-                        weight_version=0,
-                        prompt_token_ids=output.prompt_token_ids,
-                        completions=output.completions,
-                        rewards=rewards,
-                    ).to_json()
-                )
+                for message in bundle:
+                    if message.attempt_id not in leases:
+                        continue
+                    output = engine.generate([GenerationRequest.from_message(message)])[0]
+                    rewards = score_group(reward_fn, [c.text for c in output.completions], message.row)
+                    results.append(
+                        ResultMessage(
+                            run_id=run_id,
+                            attempt_id=message.attempt_id,
+                            worker="bench-worker",
+                            weight_version=0,
+                            prompt_token_ids=output.prompt_token_ids,
+                            completions=output.completions,
+                            rewards=rewards,
+                        ).to_json()
+                    )
             if not results:
                 continue
             # The consumer decodes each body it receives; decoding is part of its cost.
