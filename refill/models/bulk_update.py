@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from functools import cache
 from typing import Any
 
 from sqlalchemy import JSON, bindparam, inspect, text
@@ -66,16 +67,21 @@ def _changed_columns(obj: Any) -> frozenset[str] | None:
     """The columns the flush would write for `obj`, or None when the unit of work must write
     it (a relationship or a primary-key column changed, or a value is not loaded)."""
     state = inspect(obj)
-    mapper = state.mapper
+    plain = _plain_columns(state.mapper)
     loaded = state.dict
     keys = []
     for name, before in state.committed_state.items():
-        prop = mapper.column_attrs.get(name)
-        if prop is None or name not in loaded or prop.columns[0].primary_key:
+        if name not in plain or name not in loaded:
             return None
         if before is NO_VALUE or before != loaded[name]:
             keys.append(name)
     return frozenset(keys) if keys else None
+
+
+@cache
+def _plain_columns(mapper: Any) -> frozenset[str]:
+    """The mapper's column attributes that are not part of the primary key."""
+    return frozenset(prop.key for prop in mapper.column_attrs if not prop.columns[0].primary_key)
 
 
 def _update(session: Session, cls: type, keys: list[str], objs: list[Any]) -> None:
