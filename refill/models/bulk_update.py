@@ -98,17 +98,15 @@ def _update(session: Session, cls: type, keys: list[str], objs: list[Any]) -> No
         casts.append(f"CAST(:k{i} AS {table.c[name].type.compile(dialect)}[])")
     for i, (key, column) in enumerate(zip(keys, columns, strict=True)):
         values = [obj.__dict__[key] for obj in objs]
-        if isinstance(column.type, JSON) or isinstance(getattr(column.type, "impl", None), JSON):
+        if isinstance(column.type, JSON):
             # As the JSON type writes a value (None included: JSON null, not SQL NULL).
             values = [json.dumps(value) for value in values]
-            sql_type = "JSONB" if dialect.name == "postgresql" else "JSON"
         else:
             process = column.type._cached_bind_processor(dialect)
             if process is not None:
                 values = [process(value) for value in values]
-            sql_type = column.type.compile(dialect)
         arrays[f"c{i}"] = values
-        casts.append(f"CAST(:c{i} AS {sql_type}[])")
+        casts.append(f"CAST(:c{i} AS {column.type.compile(dialect)}[])")
     assignments = ", ".join(f"{column.name} = v.{column.name}" for column in columns)
     match = " AND ".join(f"t.{name} = v.{name}" for name in primary)
     statement = text(
