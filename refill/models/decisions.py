@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from refill.models.payload import ResultMessage
+from refill.models.rollout_codec import MAX_TOKEN_ID
 
 # --- the zero-variance filter ------------------------------------------------------------
 
@@ -44,6 +45,9 @@ def payload_problem(
             return f"reward of completion {i} is {reward}, not a finite number"
     if not result.prompt_token_ids:
         return "prompt_token_ids is empty"
+    for i, completion in enumerate(result.completions):
+        if len(completion.logprobs) != len(completion.token_ids):
+            return f"completion {i} has {len(completion.token_ids)} token ids but {len(completion.logprobs)} log-probs"
     if _payload_fine(result, vocab_size):
         return None
     for where, ids in [("prompt", result.prompt_token_ids)] + [
@@ -54,6 +58,8 @@ def payload_problem(
                 return f"{where} has token id {token!r}; token ids are non-negative integers"
             if vocab_size is not None and token >= vocab_size:
                 return f"{where} has token id {token}, outside the vocabulary of {vocab_size}"
+            if token > MAX_TOKEN_ID:
+                return f"{where} has token id {token}, above the largest the ledger stores ({MAX_TOKEN_ID})"
     for i, completion in enumerate(result.completions):
         for logprob in completion.logprobs:
             if not isinstance(logprob, (int, float)) or not math.isfinite(logprob) or logprob > 1e-3:
@@ -69,9 +75,10 @@ def _payload_fine(result: ResultMessage, vocab_size: int | None) -> bool:
     """The token and log-prob checks below in C-speed builtins: True when all of them pass
     (the common case, checked once per result on the consumer's hot path); False sends the
     caller through the loops that name the first problem."""
+    limit = MAX_TOKEN_ID + 1 if vocab_size is None else min(vocab_size, MAX_TOKEN_ID + 1)
     for ids in [result.prompt_token_ids] + [c.token_ids for c in result.completions]:
         # type() is exactly int: JSON gives no other int, and this leaves bool out.
-        if ids and (set(map(type, ids)) != _INT or min(ids) < 0 or (vocab_size is not None and max(ids) >= vocab_size)):
+        if ids and (set(map(type, ids)) != _INT or min(ids) < 0 or max(ids) >= limit):
             return False
     for completion in result.completions:
         logprobs = completion.logprobs

@@ -16,11 +16,11 @@ from datetime import datetime
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from refill.models import decisions
+from refill.models import decisions, rollout_codec
 from refill.models.context import RunContext, literal_in, slot_keys_in, utcnow
 from refill.models.db import UnknownRun
 from refill.models.overdispatch import top_up
-from refill.models.payload import Completion, ResultMessage
+from refill.models.payload import ResultMessage
 from refill.models.slots import (
     LIVE,
     RunFailed,
@@ -295,6 +295,7 @@ def _commit(ctx: RunContext, attempt: Attempt, result: ResultMessage) -> None:
         )
         return
     attempt.state = AttemptState.COMMITTED.value
+    rollout, completion_texts = rollout_codec.encode(result.prompt_token_ids, result.completions)
     group = Group(
         attempt_id=attempt.id,
         run_id=ctx.run.id,
@@ -304,8 +305,8 @@ def _commit(ctx: RunContext, attempt: Attempt, result: ResultMessage) -> None:
         rewards=list(result.rewards),
         reward_mean=attempt.reward_mean,
         zero_variance=bool(attempt.zero_variance),
-        prompt_token_ids=list(result.prompt_token_ids),
-        completions=[_completion_json(c) for c in result.completions],
+        rollout=rollout,
+        completion_texts=completion_texts,
         num_tokens=attempt.num_tokens or 0,
         committed_at=ctx.now,
         parked=False,
@@ -328,15 +329,6 @@ def _commit(ctx: RunContext, attempt: Attempt, result: ResultMessage) -> None:
             origin=(attempt.origin_step, attempt.origin_slot),
         )
         retry.min_weight_version = max(retry.min_weight_version, min(version + 1, own.step))
-
-
-def _completion_json(completion: Completion) -> dict:
-    return {
-        "token_ids": completion.token_ids,
-        "logprobs": completion.logprobs,
-        "text": completion.text,
-        "finish_reason": completion.finish_reason,
-    }
 
 
 def committed_slot_of(session: Session, run_id: int, attempt_id: int) -> tuple[int, int] | None:

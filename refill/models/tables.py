@@ -29,6 +29,7 @@ from sqlalchemy import (
     ForeignKeyConstraint,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Text,
@@ -401,8 +402,12 @@ class Group(Base):
     rewards: Mapped[list[Any]]
     reward_mean: Mapped[float] = mapped_column(Float)
     zero_variance: Mapped[bool] = mapped_column(Boolean)
-    prompt_token_ids: Mapped[list[Any]]
-    completions: Mapped[list[Any]]
+    # The prompt's and the completions' token ids and the log-probs, packed
+    # (`refill.models.rollout_codec`): as JSONB numbers PostgreSQL parsed each one on insert.
+    # Stored uncompressed on PostgreSQL (migration 0006): token ids barely compress.
+    rollout: Mapped[bytes] = mapped_column(LargeBinary)
+    # Each completion's text and finish reason, in order, readable in SQL.
+    completion_texts: Mapped[list[Any]]
     num_tokens: Mapped[int] = mapped_column(Integer)
     committed_at: Mapped[datetime]
     # Committed but in no slot: surplus kept for a later step (derivable from slots, but

@@ -15,11 +15,11 @@ from typing import Any
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from refill.models import decisions
+from refill.models import decisions, rollout_codec
 from refill.models.admission import admit
 from refill.models.context import RunContext
 from refill.models.metrics import seconds_between
-from refill.models.payload import Completion, TrainGroup
+from refill.models.payload import TrainGroup
 from refill.models.runs import check_completion
 from refill.models.slots import RunFailed, fail_run, queue_training
 from refill.models.tables import (
@@ -95,7 +95,7 @@ def claim_training(
     # Columns, not Group objects: the step's groups are read once, under the run's lock, and
     # the session need not track thousands of large rows it never changes.
     rows = session.execute(
-        select(Group.attempt_id, Group.prompt_token_ids, Group.completions, Group.rewards, Group.weight_version)
+        select(Group.attempt_id, Group.rollout, Group.completion_texts, Group.rewards, Group.weight_version)
         .join(Slot, Slot.group_attempt_id == Group.attempt_id)
         .where(Slot.run_id == run_id, Slot.step == step, Slot.status == SlotStatus.COMMITTED.value)
         .order_by(Slot.idx)
@@ -108,11 +108,12 @@ def claim_training(
                 f"staler than max_lookahead_versions={ctx.settings.max_lookahead_versions} for "
                 f"step {step}; refusing to train it"
             )
+        prompt_token_ids, completions = rollout_codec.decode(group.rollout, group.completion_texts)
         groups.append(
             TrainGroup(
                 attempt_id=group.attempt_id,
-                prompt_token_ids=list(group.prompt_token_ids),
-                completions=[Completion.from_json(c) for c in group.completions],
+                prompt_token_ids=prompt_token_ids,
+                completions=completions,
                 rewards=list(group.rewards),
                 weight_version=group.weight_version,
             )

@@ -8,7 +8,9 @@ from datetime import timedelta
 import pytest
 from sqlalchemy.exc import IntegrityError
 
+from refill.models import rollout_codec
 from refill.models.context import RunContext
+from refill.models.payload import Completion
 from refill.models.results import Outcome
 from refill.models.tables import WeightVersion
 from refill.models.training import publish_weight_version
@@ -39,7 +41,9 @@ def test_commit_and_release_exactly_once(ledger) -> None:  # type: ignore[no-unt
         assert slot.status == "committed" and slot.settled_at is not None
         group = d.group(slot.group_attempt_id)
         assert group is not None and group.rewards == [0.0, 0.25 * idx, 1.0, 0.5]
-        assert group.completions[0] == {"token_ids": [8, 9], "logprobs": [-0.5, -0.25], "text": "ok", "finish_reason": "stop"}
+        prompt_token_ids, completions = rollout_codec.decode(group.rollout, group.completion_texts)
+        assert completions[0] == Completion(token_ids=[8, 9], logprobs=[-0.5, -0.25], text="ok", finish_reason="stop")
+        assert group.completion_texts[0] == {"text": "ok", "finish_reason": "stop"} and prompt_token_ids
     # the last result again: no second release, no second message
     assert last is not None
     assert d.record(last).outcomes[0].outcome is Outcome.DUPLICATE

@@ -9,6 +9,7 @@ import pytest
 from sqlalchemy import select
 
 from refill.models import context as context_module
+from refill.models import rollout_codec
 from refill.models.context import RunContext
 from refill.models.ids import FIRST_BLOCK, IdBlocks
 from refill.models.slots import shrink
@@ -167,7 +168,7 @@ def test_lenders_leave_out_parked_groups_too_stale_for_every_open_step(ledger, m
                 Group(
                     attempt_id=attempt.id, run_id=d.run_id, prompt_id=attempt.prompt_id,
                     origin_step=3, weight_version=version, rewards=SPREAD, reward_mean=0.5,
-                    zero_variance=False, prompt_token_ids=[1], completions=[], num_tokens=4,
+                    zero_variance=False, rollout=rollout_codec.encode([1], [])[0], completion_texts=[], num_tokens=4,
                     committed_at=d.now, parked=True, moves=0,
                 )
             )

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect, text
 
+from refill.models import rollout_codec
 from refill.models.db import make_engine
 from refill.models.migrate import (
     alembic_config,
@@ -133,4 +137,42 @@ def test_0005_counts_the_spare_pool_of_runs_recorded_before_it(empty_url: str) -
     upgrade(ledger.engine)
     with ledger.session() as session:
         assert session.get(Run, d.run_id).spare_prompts_available == pool
+    ledger.dispose()
+
+
+def test_0006_packs_the_groups_recorded_before_it_and_unpacks_them_back(empty_url: str) -> None:
+    from sqlalchemy import select
+
+    from refill.models.db import Ledger
+    from refill.models.tables import Group
+    from tests.support.driver import SPREAD, Driver
+
+    ledger = Ledger(empty_url)
+    upgrade(ledger.engine)
+    d = Driver(ledger, check=False)
+    d.admit()
+    for idx in range(3):
+        d.commit_slot(0, idx, SPREAD)
+    with ledger.session() as session:
+        packed = {g.attempt_id: (g.rollout, g.completion_texts) for g in session.scalars(select(Group))}
+    assert len(packed) == 3
+
+    downgrade(ledger.engine, "0005")
+    with ledger.engine.connect() as connection:
+        rows = connection.execute(text("SELECT attempt_id, prompt_token_ids, completions FROM groups")).all()
+    assert {row.attempt_id for row in rows} == set(packed)
+    for row in rows:
+        prompt, completions = rollout_codec.decode(*packed[row.attempt_id])
+        as_json = (json.loads(v) if isinstance(v, str) else v for v in (row.prompt_token_ids, row.completions))
+        assert list(as_json) == [prompt, [dataclasses.asdict(c) for c in completions]]
+
+    upgrade(ledger.engine)
+    with ledger.session() as session:
+        assert {g.attempt_id: (g.rollout, g.completion_texts) for g in session.scalars(select(Group))} == packed
+    if ledger.engine.dialect.name == "postgresql":
+        with ledger.engine.connect() as connection:
+            storage = connection.execute(
+                text("SELECT attstorage FROM pg_attribute WHERE attrelid = 'groups'::regclass AND attname = 'rollout'")
+            ).scalar_one()
+        assert storage == "e"  # EXTERNAL: not compressed
     ledger.dispose()

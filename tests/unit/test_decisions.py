@@ -8,6 +8,7 @@ import pytest
 
 from refill.models import decisions as d
 from refill.models.payload import Completion, ResultMessage
+from refill.models.rollout_codec import MAX_TOKEN_ID
 
 
 def result(
@@ -156,10 +157,22 @@ def test_payload_problem(message: ResultMessage, group_size: int, vocab: int | N
     assert d.payload_problem(message, group_size, vocab) == expected
 
 
-def test_payload_problem_without_a_vocabulary_has_no_upper_bound() -> None:
+def test_payload_problem_without_a_vocabulary_is_bounded_by_what_the_ledger_stores() -> None:
     big = result([0.0, 1.0], prompt_token_ids=[10**9])
     assert d.payload_problem(big, 2, None) is None
     assert d.payload_problem(big, 2, 10**9) == f"prompt has token id {10**9}, outside the vocabulary of {10**9}"
+    largest = result([0.0, 1.0], completions=[completion([MAX_TOKEN_ID], [-1.0]), completion([1], [-1.0])])
+    assert d.payload_problem(largest, 2, None) is None
+    too_big = result([0.0, 1.0], completions=[completion([1], [-1.0]), completion([MAX_TOKEN_ID + 1], [-1.0])])
+    assert d.payload_problem(too_big, 2, None) == (
+        f"completion 1 has token id {MAX_TOKEN_ID + 1}, above the largest the ledger stores ({MAX_TOKEN_ID})"
+    )
+
+
+def test_payload_problem_names_a_completion_whose_logprobs_do_not_match_its_tokens() -> None:
+    # Decoding a message checks this, but a ResultMessage built in process is not decoded.
+    short = result([0.0, 1.0], completions=[completion([1], [-1.0]), completion([1, 2], [-1.0])])
+    assert d.payload_problem(short, 2) == "completion 1 has 2 token ids but 1 log-probs"
 
 
 def test_payload_logprob_tolerance_is_a_thousandth() -> None:
