@@ -57,7 +57,11 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
             "backend": "sim",
             "lease_seconds": LEASE_SECONDS,
             "queue_timeout_seconds": 3600,
-            "sim": {"zero_variance_fraction": args.p, "latency": {"distribution": "constant", "mean_seconds": 0.0}},
+            "sim": {
+                "zero_variance_fraction": args.p,
+                "tokens_per_completion": args.tokens,
+                "latency": {"distribution": "constant", "mean_seconds": 0.0},
+            },
         },
         "reward": {"function": "refill.rewards.sim:solved"},
         "grpo": {
@@ -308,6 +312,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--groups", type=int, default=4096, help="N, groups of the step")
     parser.add_argument("--p", type=float, default=0.33, help="zero-variance fraction")
     parser.add_argument("--n", type=int, default=16, help="completions per group")
+    parser.add_argument(
+        "--tokens", type=int, default=8, help="tokens per completion (the sim back-end's default 8; real rollouts run to thousands)"
+    )
     parser.add_argument("--batch", type=int, default=64, help="results per consumer transaction")
     parser.add_argument("--relay-batch", type=int, default=1000, help="outbox rows per relay transaction")
     parser.add_argument("--repeat", type=int, default=3)
@@ -331,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     from tests.support.databases import temporary_pg_database
 
     print(
-        f"overhead: one step of {args.groups} groups, p={args.p}, n={args.n}, consumer batches of "
+        f"overhead: one step of {args.groups} groups, p={args.p}, n={args.n} x {args.tokens} tokens, consumer batches of "
         f"{args.batch}, PostgreSQL, {os.cpu_count()} CPUs, load average {load_average()}",
         flush=True,
     )

@@ -534,6 +534,23 @@ def test_every_query_in_docs_sql_runs_on_the_ledger(sim_run: SimRun, db: Any) ->
     assert risk[0][2] == pytest.approx(report["expected_exhausted_slots"])
 
 
+def test_a_trained_groups_rollout_decodes_as_docs_sql_says(sim_run: SimRun, db: Any) -> None:
+    from refill.models.rollout_codec import decode
+
+    rows = sql(
+        db,
+        "SELECT rollout, completion_texts, num_tokens, rewards FROM groups WHERE run_id = :r AND trained_step = 1",
+        r=sim_run.run_id,
+    )
+    assert rows
+    for rollout, texts, num_tokens, rewards in rows:
+        texts = json.loads(texts) if isinstance(texts, str) else texts  # JSON text on SQLite
+        prompt, completions = decode(rollout, texts)
+        assert prompt and len(completions) == len(json.loads(rewards) if isinstance(rewards, str) else rewards)
+        assert sum(len(c.token_ids) for c in completions) == num_tokens
+        assert all(len(c.logprobs) == len(c.token_ids) for c in completions)
+
+
 # --- refill check --------------------------------------------------------------------------------
 
 
