@@ -544,24 +544,41 @@ class RunContext:
         `max_step`, or is the whole set, its usable slots are the answer; otherwise it is
         loaded again.
         """
+        found: list[Slot] = []
         for _ in range(2):
             if self._open_slots is None:
                 rows = self._load_open_slots(order_by=(Slot.step, Slot.idx), limit=OPEN_CHUNK)
                 self._open_slots = self.pin(list(rows))
                 self._open_slots_truncated = len(rows) == OPEN_CHUNK
-            # Drop what has settled since, so later calls do not look at it again.
-            live = [s for s in self._open_slots if s.status == _SLOT_OPEN]
-            self._open_slots = live
-            open_steps = {step: self.step_open(step) for step in {s.step for s in live if s.step <= max_step}}
-            found = [s for s in live if s.step <= max_step and open_steps[s.step]]
-            if (
-                len(found) >= limit
-                or not self._open_slots_truncated
-                or (live and live[-1].step > max_step)
-            ):
-                # A slot's place in (step, index) order never changes, so the loaded order is
-                # the current one.
-                return found[:limit]
+            # A scan that stops at the answer: this runs for every placement of a batch, and
+            # the prefix is about a batch long.
+            loaded = self._open_slots
+            found, settled, scanned, step_open = [], 0, 0, {}
+            past_max_step = False
+            for slot in loaded:
+                scanned += 1
+                if slot.status != _SLOT_OPEN:
+                    settled += 1
+                    continue
+                step = slot.step
+                if step > max_step:
+                    past_max_step = True
+                    break
+                is_open = step_open.get(step)
+                if is_open is None:
+                    is_open = step_open[step] = self.step_open(step)
+                if is_open:
+                    found.append(slot)
+                    if len(found) >= limit:
+                        break
+            if settled:
+                # Drop what has settled, so later calls do not look at it again.
+                self._open_slots = [s for s in loaded[:scanned] if s.status == _SLOT_OPEN] + loaded[scanned:]
+            # A slot's place in (step, index) order never changes, so the loaded order is the
+            # current one: the answer is exact when it is whole, when the prefix reaches past
+            # `max_step`, or when the prefix is every stored open slot.
+            if len(found) >= limit or past_max_step or not self._open_slots_truncated:
+                return found
             self._open_slots = None
         return found
 
