@@ -148,7 +148,10 @@ def one_step(
         def after(conn, cursor, statement, parameters, context, executemany):  # type: ignore[no-untyped-def]
             phase = current_phase[0]
             if phase:
-                entry = statements[f"{phase}: {' '.join(statement.split())[:90]}"]
+                # Head and tail: statements on one table share their column list, and differ
+                # in their WHERE, ORDER BY and LIMIT.
+                flat = " ".join(statement.split())
+                entry = statements[f"{phase}: {flat[:70]} ... {flat[-70:]}" if len(flat) > 150 else f"{phase}: {flat}"]
                 entry[0] += 1
                 entry[1] += time.perf_counter() - conn.info.pop("bench_started", time.perf_counter())
                 entry[2] += len(parameters) if executemany else 1

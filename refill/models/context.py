@@ -114,9 +114,9 @@ def _before_flush(session: Session, flush_context, instances) -> None:  # type: 
             for name in union - keys:
                 if name in loaded:
                     flag_modified(obj, name)
-    # On PostgreSQL the slots' and attempts' changes go out as one UPDATE per table here; the
-    # flush then writes what is left (inserts, and the few rows of the other tables).
-    write_changed_rows(session, (Slot, Attempt))
+    # On PostgreSQL the slots', attempts' and spare prompts' changes go out as one UPDATE per
+    # table here; the flush then writes what is left (inserts, and the few rows of the others).
+    write_changed_rows(session, (Slot, Attempt, SparePrompt))
 
 
 def literal_in(column, values):  # type: ignore[no-untyped-def]

@@ -17,7 +17,7 @@ from sqlalchemy import select
 
 from refill.models.context import RunContext
 from refill.models.decisions import spare_refill_needed
-from refill.models.tables import Prompt, SparePrompt
+from refill.models.tables import Attempt, Prompt, SparePrompt
 
 
 @lru_cache(maxsize=32)
@@ -90,3 +90,13 @@ def take_spare(ctx: RunContext) -> SparePrompt | None:
     ctx.spare_taken()
     refill_spare_pool(ctx)
     return spare
+
+
+def mark_taken(spare: SparePrompt, attempt: Attempt) -> None:
+    """Record which attempt took `spare`."""
+    if attempt.id is not None:
+        # Its id was drawn in advance (PostgreSQL): a plain column, which the batch's bulk
+        # UPDATE writes with the other spares (`bulk_update.py`) instead of a statement each.
+        spare.taken_by_attempt = attempt.id
+    else:
+        spare.taken_by = attempt  # the unit of work fills the id in when it inserts the attempt

@@ -40,7 +40,7 @@ from sqlalchemy.orm.util import identity_key
 
 from refill.models import decisions
 from refill.models.context import RunContext, literal_in
-from refill.models.dataloader import take_spare
+from refill.models.dataloader import mark_taken, take_spare
 from refill.models.samplers import SlotView
 from refill.models.slots import LIVE, dispatch, fill, measured_zero_variance, release_to_extra
 from refill.models.tables import (
@@ -103,7 +103,7 @@ def top_up(ctx: RunContext) -> int:
         spare = take_spare(ctx)
         if spare is None:
             break
-        spare.taken_by = dispatch(ctx, step=newest.step, slot=None, prompt_id=spare.prompt_id, reason=AttemptReason.EXTRA)
+        mark_taken(spare, dispatch(ctx, step=newest.step, slot=None, prompt_id=spare.prompt_id, reason=AttemptReason.EXTRA))
         newest.extras += 1
         sent += 1
     return sent

@@ -17,7 +17,7 @@ from sqlalchemy.orm.util import identity_key
 
 from refill.models import decisions
 from refill.models.context import LENDER_CHOICES, PLACEMENT_CHOICES, RunContext
-from refill.models.dataloader import take_spare
+from refill.models.dataloader import mark_taken, take_spare
 from refill.models.samplers import GroupView, SlotView
 from refill.models.tables import (
     Attempt,
@@ -128,7 +128,7 @@ def dispatch_spare(ctx: RunContext, slot: Slot, reason: AttemptReason) -> bool:
     spare = take_spare(ctx)
     if spare is None:
         return False
-    spare.taken_by = dispatch(ctx, step=slot.step, slot=slot, prompt_id=spare.prompt_id, reason=reason)
+    mark_taken(spare, dispatch(ctx, step=slot.step, slot=slot, prompt_id=spare.prompt_id, reason=reason))
     return True
 
 

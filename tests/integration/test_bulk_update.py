@@ -10,8 +10,8 @@ from datetime import UTC, datetime
 from sqlalchemy import event, select, update
 
 from refill.models.bulk_update import write_changed_rows
-from refill.models.tables import Attempt, Slot
-from tests.support.driver import SPREAD, Driver
+from refill.models.tables import Attempt, Slot, SparePrompt
+from tests.support.driver import FLAT, SPREAD, Driver
 
 
 @contextmanager
@@ -112,3 +112,23 @@ def test_sqlite_is_left_to_the_unit_of_work(sqlite_ledger) -> None:  # type: ign
         assert write_changed_rows(session, (Attempt,)) == 0
         assert len(session.dirty) == len(attempts)
         session.rollback()
+
+
+def test_the_spares_a_batch_takes_are_marked_in_one_statement_with_their_attempts(pg_ledger) -> None:  # type: ignore[no-untyped-def]
+    d = Driver(pg_ledger)
+    d.admit()
+    first = [d.live_of(0, idx) for idx in range(4)]
+    d.start_all([a.id for a in first])
+    with updates(pg_ledger) as seen:
+        batch = d.record(*(d.result(a.id, FLAT) for a in first))  # each filtered slot takes a spare
+    assert [o.outcome.value for o in batch.outcomes] == ["FILTERED"] * 4
+    spare_updates = [s for s in seen if s.split()[1] == "spare_prompts"]
+    assert len(spare_updates) == 1 and "unnest" in spare_updates[0], spare_updates
+    with pg_ledger.session() as session:
+        taken = session.execute(
+            select(SparePrompt.prompt_id, Attempt.prompt_id, Attempt.step, Attempt.slot_idx)
+            .join(Attempt, Attempt.id == SparePrompt.taken_by_attempt)
+            .where(SparePrompt.run_id == d.run_id, SparePrompt.taken_at.is_not(None))
+        ).all()
+    assert sorted((step, idx) for _, _, step, idx in taken) == [(0, idx) for idx in range(4)]
+    assert all(spare == attempt for spare, attempt, _, _ in taken)
