@@ -55,6 +55,7 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
         "data": {"builtin": "arith", "builtin_size": prompts},
         "generation": {
             "backend": "sim",
+            "max_new_tokens": max(16, args.tokens),  # the sim back-end stops a completion there
             "lease_seconds": LEASE_SECONDS,
             "queue_timeout_seconds": 3600,
             "sim": {
