@@ -404,10 +404,12 @@ class Group(Base):
     zero_variance: Mapped[bool] = mapped_column(Boolean)
     # The prompt's and the completions' token ids and the log-probs, packed
     # (`refill.models.rollout_codec`): as JSONB numbers PostgreSQL parsed each one on insert.
-    # Stored uncompressed on PostgreSQL (migration 0006): token ids barely compress.
-    rollout: Mapped[bytes] = mapped_column(LargeBinary)
+    # Stored uncompressed on PostgreSQL (migration 0006): token ids barely compress. Both
+    # payload columns are deferred: the ledger moves and lends groups by their other columns
+    # and only the trainer's claim reads the payload (as columns).
+    rollout: Mapped[bytes] = mapped_column(LargeBinary, deferred=True)
     # Each completion's text and finish reason, in order, readable in SQL.
-    completion_texts: Mapped[list[Any]]
+    completion_texts: Mapped[list[Any]] = mapped_column(JSONType, deferred=True)
     num_tokens: Mapped[int] = mapped_column(Integer)
     committed_at: Mapped[datetime]
     # Committed but in no slot: surplus kept for a later step (derivable from slots, but

@@ -16,6 +16,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import func, select
+from sqlalchemy.orm import undefer
 
 from refill.models.admission import admit_steps
 from refill.models.db import Ledger
@@ -342,11 +343,14 @@ class Driver:
 
     def group(self, attempt_id: int) -> Group | None:
         with self.ledger.session() as s:
-            return s.get(Group, attempt_id)
+            # The payload columns are deferred; a test reads them after the session closes.
+            return s.get(Group, attempt_id, options=[undefer("*")])
 
     def groups(self) -> list[Group]:
         with self.ledger.session() as s:
-            return list(s.scalars(select(Group).where(Group.run_id == self.run_id).order_by(Group.attempt_id)))
+            return list(
+                s.scalars(select(Group).where(Group.run_id == self.run_id).order_by(Group.attempt_id).options(undefer("*")))
+            )
 
     def outbox(self, kind: str | None = None) -> list[Outbox]:
         with self.ledger.session() as s:
