@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from refill.models.payload import ResultMessage
-from refill.models.rollout_codec import MAX_TOKEN_ID
+from refill.models.rollout_codec import MAX_TOKEN_ID, Rollout
 
 # --- the zero-variance filter ------------------------------------------------------------
 
@@ -36,59 +36,65 @@ def payload_problem(
     result: ResultMessage, group_size: int, vocab_size: int | None = None
 ) -> str | None:
     """Why a finished generation cannot be used, or None when it can."""
+    return checked_payload(result, group_size, vocab_size)[0]
+
+
+#: Engines report the log-prob of a certain token as a tiny positive from rounding.
+LOGPROB_CEILING = 1e-3
+
+
+def checked_payload(
+    result: ResultMessage, group_size: int, vocab_size: int | None = None
+) -> tuple[str | None, Rollout | None]:
+    """`(problem, None)` for a result that cannot be used, `(None, rollout)` for one that
+    can, with its token ids and log-probs as the arrays the ledger stores."""
     if len(result.completions) != group_size:
-        return f"group has {len(result.completions)} completions, the run expects {group_size}"
+        return f"group has {len(result.completions)} completions, the run expects {group_size}", None
     if len(result.rewards) != group_size:
-        return f"group has {len(result.rewards)} rewards for {group_size} completions"
+        return f"group has {len(result.rewards)} rewards for {group_size} completions", None
     for i, reward in enumerate(result.rewards):
         if not math.isfinite(reward):
-            return f"reward of completion {i} is {reward}, not a finite number"
+            return f"reward of completion {i} is {reward}, not a finite number", None
     if not result.prompt_token_ids:
-        return "prompt_token_ids is empty"
+        return "prompt_token_ids is empty", None
     for i, completion in enumerate(result.completions):
         if len(completion.logprobs) != len(completion.token_ids):
-            return f"completion {i} has {len(completion.token_ids)} token ids but {len(completion.logprobs)} log-probs"
-    if _payload_fine(result, vocab_size):
-        return None
+            return f"completion {i} has {len(completion.token_ids)} token ids but {len(completion.logprobs)} log-probs", None
+    # The common case in array operations (checked once per result on the consumer's serial
+    # path); anything the arrays refuse goes through the loops below, which name the problem.
+    rollout = Rollout.checked(result.prompt_token_ids, result.completions)
+    if (
+        rollout is not None
+        and (vocab_size is None or rollout.max_token_id() < vocab_size)
+        and rollout.logprobs_within(LOGPROB_CEILING)
+    ):
+        return None, rollout
     for where, ids in [("prompt", result.prompt_token_ids)] + [
         (f"completion {i}", c.token_ids) for i, c in enumerate(result.completions)
     ]:
         for token in ids:
             if not isinstance(token, int) or isinstance(token, bool) or token < 0:
-                return f"{where} has token id {token!r}; token ids are non-negative integers"
+                return f"{where} has token id {token!r}; token ids are non-negative integers", None
             if vocab_size is not None and token >= vocab_size:
-                return f"{where} has token id {token}, outside the vocabulary of {vocab_size}"
+                return f"{where} has token id {token}, outside the vocabulary of {vocab_size}", None
             if token > MAX_TOKEN_ID:
-                return f"{where} has token id {token}, above the largest the ledger stores ({MAX_TOKEN_ID})"
+                return f"{where} has token id {token}, above the largest the ledger stores ({MAX_TOKEN_ID})", None
     for i, completion in enumerate(result.completions):
         for logprob in completion.logprobs:
-            if not isinstance(logprob, (int, float)) or not math.isfinite(logprob) or logprob > 1e-3:
-                return f"completion {i} has log-prob {logprob!r}; log-probs are finite and <= 0"
-    return None
+            if not _finite_number(logprob) or logprob > LOGPROB_CEILING:
+                return f"completion {i} has log-prob {logprob!r}; log-probs are finite and <= 0", None
+    # Unreachable while the two paths agree; a data failure of this attempt, rather than an
+    # exception that would fail every result of the consumer's batch, if they ever do not.
+    return "its token ids or log-probs cannot be stored (the ledger's payload checks disagree: a bug)", None  # pragma: no cover
 
 
-_INT = {int}
-_NUMBER = {int, float}
-
-
-def _payload_fine(result: ResultMessage, vocab_size: int | None) -> bool:
-    """The token and log-prob checks below in C-speed builtins: True when all of them pass
-    (the common case, checked once per result on the consumer's hot path); False sends the
-    caller through the loops that name the first problem."""
-    limit = MAX_TOKEN_ID + 1 if vocab_size is None else min(vocab_size, MAX_TOKEN_ID + 1)
-    for ids in [result.prompt_token_ids] + [c.token_ids for c in result.completions]:
-        # type() is exactly int: JSON gives no other int, and this leaves bool out.
-        if ids and (set(map(type, ids)) != _INT or min(ids) < 0 or max(ids) >= limit):
-            return False
-    for completion in result.completions:
-        logprobs = completion.logprobs
-        if logprobs and (
-            not set(map(type, logprobs)) <= _NUMBER
-            or not all(map(math.isfinite, logprobs))
-            or max(logprobs) > 1e-3
-        ):
-            return False
-    return True
+def _finite_number(value: object) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer past the float range
+        return False
 
 
 # --- dynamic-sampling budget (SPEC §3.3) -------------------------------------------------

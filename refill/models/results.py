@@ -213,7 +213,7 @@ def _apply(ctx: RunContext, attempt: Attempt, result: ResultMessage) -> Recorded
     if result.error_kind == "data":
         data_failure(ctx, attempt, result.error or "data error")
         return Recorded(attempt.id, Outcome.FAILED, "data")
-    problem = decisions.payload_problem(result, settings.group_size, settings.vocab_size)
+    problem, rollout = decisions.checked_payload(result, settings.group_size, settings.vocab_size)
     if problem is None and result.weight_version is None:
         problem = "result does not say which weight version generated it"
     if problem is not None:
@@ -225,7 +225,8 @@ def _apply(ctx: RunContext, attempt: Attempt, result: ResultMessage) -> Recorded
     attempt.reward_mean = sum(rewards) / len(rewards)
     attempt.reward_min = min(rewards)
     attempt.reward_max = max(rewards)
-    attempt.num_tokens = sum(len(c.token_ids) for c in result.completions)
+    assert rollout is not None  # no problem: checked_payload built it
+    attempt.num_tokens = rollout.num_tokens
     zero_variance = decisions.is_zero_variance(rewards, settings.zero_variance_tolerance)
     attempt.zero_variance = zero_variance
     ctx.run.scored_groups += 1
@@ -236,7 +237,7 @@ def _apply(ctx: RunContext, attempt: Attempt, result: ResultMessage) -> Recorded
     if zero_variance and settings.use_dynamic_sampling:
         _filter(ctx, attempt)
         return Recorded(attempt.id, Outcome.FILTERED)
-    _commit(ctx, attempt, result)
+    _commit(ctx, attempt, result, rollout)
     if attempt.state == AttemptState.FAILED.value:  # too stale to train: regenerated
         return Recorded(attempt.id, Outcome.FAILED, attempt.error)
     return Recorded(attempt.id, Outcome.COMMITTED)
@@ -268,7 +269,7 @@ def _filter(ctx: RunContext, attempt: Attempt) -> None:
     replace(ctx, slot, after_filter=True)
 
 
-def _commit(ctx: RunContext, attempt: Attempt, result: ResultMessage) -> None:
+def _commit(ctx: RunContext, attempt: Attempt, result: ResultMessage, rollout: rollout_codec.Rollout) -> None:
     settings = ctx.settings
     version = int(result.weight_version or 0)
     own = aimed_slot(ctx, attempt)
@@ -295,7 +296,6 @@ def _commit(ctx: RunContext, attempt: Attempt, result: ResultMessage) -> None:
         )
         return
     attempt.state = AttemptState.COMMITTED.value
-    rollout, completion_texts = rollout_codec.encode(result.prompt_token_ids, result.completions)
     group = Group(
         attempt_id=attempt.id,
         run_id=ctx.run.id,
@@ -305,8 +305,8 @@ def _commit(ctx: RunContext, attempt: Attempt, result: ResultMessage) -> None:
         rewards=list(result.rewards),
         reward_mean=attempt.reward_mean,
         zero_variance=bool(attempt.zero_variance),
-        rollout=rollout,
-        completion_texts=completion_texts,
+        rollout=rollout.pack(),
+        completion_texts=rollout_codec.texts(result.completions),
         num_tokens=attempt.num_tokens or 0,
         committed_at=ctx.now,
         parked=False,

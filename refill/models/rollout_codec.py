@@ -26,6 +26,8 @@ from array import array
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from refill.models.payload import Completion
 
 #: The largest token id a rollout can hold (unsigned 32 bits; vocabularies are far smaller).
@@ -40,6 +42,10 @@ if array("I").itemsize != 4 or array("d").itemsize != 8:  # pragma: no cover
     raise ImportError("refill's rollout layout needs 4-byte unsigned ints and 8-byte doubles")
 
 
+_INT = {int}
+_NUMBER = {int, float}
+
+
 class RolloutFormatError(ValueError):
     """A stored rollout that does not decode: a corrupt or foreign `groups.rollout` value."""
 
@@ -51,32 +57,91 @@ def _little_endian(values: array) -> bytes:
     return values.tobytes()
 
 
-def encode(prompt_token_ids: Sequence[int], completions: Sequence[Completion]) -> tuple[bytes, list[dict[str, Any]]]:
-    """`(rollout, completion_texts)` for a group.
+class Rollout:
+    """A group's token ids and log-probs as typed arrays: built once per result on the
+    consumer's serial path, checked there (`decisions.payload_problem`) and packed on commit.
 
-    Raises ValueError if a completion has more or fewer log-probs than token ids, and
-    OverflowError or TypeError for a token id that is not an integer in [0, MAX_TOKEN_ID]
-    (the ledger's payload checks catch both first, as a data failure of the attempt)."""
-    lengths = array("I", [len(c.token_ids) for c in completions])
-    ids = array("I", prompt_token_ids)
-    logprobs = array("d")
-    for completion in completions:
-        if len(completion.logprobs) != len(completion.token_ids):
-            raise ValueError(
-                f"a completion has {len(completion.token_ids)} token ids but {len(completion.logprobs)} log-probs"
+    Building the arrays is the check that every token id is an integer in [0, MAX_TOKEN_ID]
+    and every log-prob a number, at C speed; the range and finiteness tests then run over
+    the arrays, not over Python lists."""
+
+    __slots__ = ("prompt_len", "lengths", "ids", "logprobs")
+
+    def __init__(self, prompt_len: int, lengths: array, ids: array, logprobs: array) -> None:
+        self.prompt_len = prompt_len
+        self.lengths = lengths
+        self.ids = ids
+        self.logprobs = logprobs
+
+    @classmethod
+    def build(cls, prompt_token_ids: Sequence[int], completions: Sequence[Completion]) -> Rollout:
+        """Raises ValueError if a completion has more or fewer log-probs than token ids, and
+        OverflowError or TypeError for a token id that is not an integer in [0, MAX_TOKEN_ID]
+        or a log-prob that is not a number."""
+        lengths = array("I", [len(c.token_ids) for c in completions])
+        ids = array("I", prompt_token_ids)
+        logprobs = array("d")
+        for completion in completions:
+            if len(completion.logprobs) != len(completion.token_ids):
+                raise ValueError(
+                    f"a completion has {len(completion.token_ids)} token ids but {len(completion.logprobs)} log-probs"
+                )
+            ids.extend(completion.token_ids)
+            logprobs.extend(completion.logprobs)
+        return cls(len(prompt_token_ids), lengths, ids, logprobs)
+
+    @classmethod
+    def checked(cls, prompt_token_ids: Sequence[int], completions: Sequence[Completion]) -> Rollout | None:
+        """`build`, or None where it raises or a value is not of its exact JSON type (a bool
+        is an int to `array`; True is not a token id). None sends the caller to the checks
+        that name the problem."""
+        try:
+            rollout = cls.build(prompt_token_ids, completions)
+        except (ValueError, TypeError, OverflowError):
+            return None
+        for ids in [prompt_token_ids, *(c.token_ids for c in completions)]:
+            if ids and set(map(type, ids)) != _INT:
+                return None
+        for completion in completions:
+            if completion.logprobs and not set(map(type, completion.logprobs)) <= _NUMBER:
+                return None
+        return rollout
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of the completions (the prompt's left out)."""
+        return len(self.logprobs)
+
+    def max_token_id(self) -> int:
+        """The largest token id, prompt included (-1 when there is none)."""
+        return int(np.frombuffer(self.ids, dtype=np.uint32).max()) if len(self.ids) else -1
+
+    def logprobs_within(self, ceiling: float) -> bool:
+        """Every log-prob finite and at most `ceiling`."""
+        if not len(self.logprobs):
+            return True
+        values = np.frombuffer(self.logprobs, dtype=np.float64)
+        return bool(np.isfinite(values).all() and values.max() <= ceiling)
+
+    def pack(self) -> bytes:
+        return b"".join(
+            (
+                _HEADER.pack(_MAGIC, self.prompt_len, len(self.lengths)),
+                _little_endian(self.lengths),
+                _little_endian(self.ids),
+                _little_endian(self.logprobs),
             )
-        ids.extend(completion.token_ids)
-        logprobs.extend(completion.logprobs)
-    blob = b"".join(
-        (
-            _HEADER.pack(_MAGIC, len(prompt_token_ids), len(completions)),
-            _little_endian(lengths),
-            _little_endian(ids),
-            _little_endian(logprobs),
         )
-    )
-    texts = [{"text": c.text, "finish_reason": c.finish_reason} for c in completions]
-    return blob, texts
+
+
+def texts(completions: Sequence[Completion]) -> list[dict[str, Any]]:
+    """`groups.completion_texts` of a group."""
+    return [{"text": c.text, "finish_reason": c.finish_reason} for c in completions]
+
+
+def encode(prompt_token_ids: Sequence[int], completions: Sequence[Completion]) -> tuple[bytes, list[dict[str, Any]]]:
+    """`(rollout, completion_texts)` for a group (raises as `Rollout.build`)."""
+    return Rollout.build(prompt_token_ids, completions).pack(), texts(completions)
 
 
 def decode(rollout: bytes, completion_texts: Sequence[dict[str, Any]]) -> tuple[list[int], list[Completion]]:

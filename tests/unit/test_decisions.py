@@ -169,6 +169,22 @@ def test_payload_problem_without_a_vocabulary_is_bounded_by_what_the_ledger_stor
     )
 
 
+def test_payload_problem_names_values_past_the_float_range_and_bools() -> None:
+    huge = result([0.0, 1.0], completions=[completion([1], [-1.0]), completion([1], [-(10**400)])])
+    assert d.payload_problem(huge, 2) == f"completion 1 has log-prob {-(10**400)!r}; log-probs are finite and <= 0"
+    flag = result([0.0, 1.0], completions=[completion([1], [False]), completion([1], [-1.0])])
+    assert d.payload_problem(flag, 2) == "completion 0 has log-prob False; log-probs are finite and <= 0"
+
+
+def test_checked_payload_hands_back_the_arrays_it_checked() -> None:
+    message = result([0.0, 1.0], completions=[completion([4, 5], [-0.5, -0.25]), completion([6], [-1.0])])
+    problem, rollout = d.checked_payload(message, 2, 10)
+    assert problem is None and rollout is not None
+    assert (rollout.num_tokens, rollout.max_token_id()) == (3, 6)  # the prompt [1, 2, 3] counts for the id
+    problem, rollout = d.checked_payload(message, 2, 6)
+    assert (problem, rollout) == ("completion 1 has token id 6, outside the vocabulary of 6", None)
+
+
 def test_payload_problem_names_a_completion_whose_logprobs_do_not_match_its_tokens() -> None:
     # Decoding a message checks this, but a ResultMessage built in process is not decoded.
     short = result([0.0, 1.0], completions=[completion([1], [-1.0]), completion([1, 2], [-1.0])])

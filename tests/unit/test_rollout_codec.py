@@ -9,7 +9,14 @@ import struct
 import pytest
 
 from refill.models.payload import Completion
-from refill.models.rollout_codec import MAX_TOKEN_ID, RolloutFormatError, decode, encode
+from refill.models.rollout_codec import (
+    MAX_TOKEN_ID,
+    Rollout,
+    RolloutFormatError,
+    decode,
+    encode,
+    texts,
+)
 
 
 def _group(rng: random.Random, lengths: list[int]) -> tuple[list[int], list[Completion]]:
@@ -83,3 +90,25 @@ def test_a_damaged_rollout_is_named_not_misread() -> None:
         decode(blob + b"\0", texts)
     with pytest.raises(RolloutFormatError, match="1 completions has 2 texts"):
         decode(blob, texts * 2)
+
+
+def test_checked_arrays_refuse_what_would_not_read_back_as_sent() -> None:
+    fine = Rollout.checked([5, 1], [Completion([7, 0], [-1.0, 0], "x")])  # an int log-prob is a number
+    assert fine is not None and fine.num_tokens == 2 and fine.max_token_id() == 7
+    assert fine.logprobs_within(0.0) and not fine.logprobs_within(-0.5)
+    assert decode(fine.pack(), texts([Completion([7, 0], [-1.0, 0], "x")]))[1][0].logprobs == [-1.0, 0.0]
+    # True is an int to `array`, and would read back as token 1
+    assert Rollout.checked([True], [Completion([1], [-1.0], "x")]) is None
+    assert Rollout.checked([1], [Completion([1], [False], "x")]) is None
+    assert Rollout.checked([1], [Completion([1.0], [-1.0], "x")]) is None
+    assert Rollout.checked([1], [Completion([1], ["-1"], "x")]) is None  # type: ignore[list-item]
+    assert Rollout.checked([1], [Completion([1], [10**400], "x")]) is None  # past the float range
+    assert Rollout.checked([MAX_TOKEN_ID + 1], [Completion([1], [-1.0], "x")]) is None
+    empty = Rollout.checked([1], [Completion([], [], "x")])
+    assert empty is not None and empty.logprobs_within(-1.0) and empty.num_tokens == 0
+
+
+def test_non_finite_logprobs_are_outside_any_ceiling() -> None:
+    rollout = Rollout.build([1], [Completion([1, 2], [-1.0, math.nan], "x")])
+    assert not rollout.logprobs_within(0.0)
+    assert not Rollout.build([1], [Completion([1], [-math.inf], "x")]).logprobs_within(0.0)
