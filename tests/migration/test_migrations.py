@@ -176,3 +176,26 @@ def test_0006_packs_the_groups_recorded_before_it_and_unpacks_them_back(empty_ur
             ).scalar_one()
         assert storage == "e"  # EXTERNAL: not compressed
     ledger.dispose()
+
+
+def test_refill_db_upgrade_shows_each_revision_and_the_conversions_progress(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from typer.testing import CliRunner
+
+    from refill.admin.cli import app
+    from refill.models.db import Ledger
+    from tests.support.driver import SPREAD, Driver
+
+    url = f"sqlite:///{tmp_path}/refill.db"
+    ledger = Ledger(url)
+    upgrade(ledger.engine)
+    d = Driver(ledger, check=False)
+    d.admit()
+    d.commit_slot(0, 0, SPREAD)
+    d.commit_slot(0, 1, SPREAD)
+    downgrade(ledger.engine, "0005")
+    ledger.dispose()
+    result = CliRunner().invoke(app, ["db", "upgrade", "--database-url", url])
+    assert result.exit_code == 0, result.output
+    assert "Running upgrade 0005 -> 0006" in result.output
+    assert "groups converted: 2 of 2" in result.output
+    assert "schema 0005 -> 0006" in result.output

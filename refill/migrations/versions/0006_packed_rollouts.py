@@ -31,7 +31,7 @@ depends_on: str | Sequence[str] | None = None
 
 log = logging.getLogger("alembic.runtime.migration")
 
-_PAGE = 500
+_PAGE = 100  # a group of 16 x 512 tokens is about half a megabyte of Python lists
 _JSON = sa.JSON().with_variant(postgresql.JSONB(astext_type=sa.Text()), "postgresql")
 
 _groups = sa.table(
