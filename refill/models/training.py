@@ -108,7 +108,12 @@ def claim_training(
                 f"staler than max_lookahead_versions={ctx.settings.max_lookahead_versions} for "
                 f"step {step}; refusing to train it"
             )
-        prompt_token_ids, completions = rollout_codec.decode(group.rollout, group.completion_texts)
+        try:
+            prompt_token_ids, completions = rollout_codec.decode(group.rollout, group.completion_texts)
+        except rollout_codec.RolloutFormatError as error:
+            raise rollout_codec.RolloutFormatError(
+                f"run {run_id} step {step}: the stored payload of group {group.attempt_id} does not decode ({error})"
+            ) from error
         groups.append(
             TrainGroup(
                 attempt_id=group.attempt_id,

@@ -203,3 +203,21 @@ def test_reaper_resends_a_train_step_lost_on_the_broker(ledger) -> None:  # type
     d.tick(2)
     assert d.reap().train_steps == 1  # its trainer lease (300 s) expired: re-queued once
     assert d.step(0).status == "released"
+
+
+def test_a_damaged_payload_is_named_when_the_trainer_claims_its_step(ledger) -> None:  # type: ignore[no-untyped-def]
+    from sqlalchemy import update
+
+    from refill.models.tables import Group
+    from refill.models.training import claim_training
+
+    d = Driver(ledger, check=False)  # the ledger is damaged by hand
+    d.admit()
+    d.fill_step(0)
+    damaged = d.slot(0, 2).group_attempt_id
+    with ledger.session() as session:
+        session.execute(update(Group).where(Group.attempt_id == damaged).values(rollout=b"RFR\x01junk"))
+        session.commit()
+    with pytest.raises(rollout_codec.RolloutFormatError, match=f"step 0: the stored payload of group {damaged} does not decode"):
+        ledger.transaction(lambda s: claim_training(s, d.run_id, 0, "trainer"))
+    assert d.step(0).status == "released"  # the claim rolled back: nothing half-done
