@@ -4,11 +4,13 @@ publishes is loaded by the generators before the groups that need it."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 from sqlalchemy import func, select
 
+from refill.models.rollout_codec import decode
 from refill.models.tables import Attempt, Group, WeightVersion
 from tests.acceptance.runs import run_facts
 
@@ -35,7 +37,9 @@ def test_the_demo_model_trains_on_the_fleet(running_fleet, fleet_ledger) -> None
         used = session.execute(
             select(Attempt.step, func.max(Attempt.weight_version)).where(Attempt.run_id == run_id).group_by(Attempt.step)
         ).all()
-        trained = session.scalars(select(Group).where(Group.run_id == run_id, Group.trained_step.is_not(None))).all()
+        trained = session.execute(
+            select(Group.rollout, Group.completion_texts).where(Group.run_id == run_id, Group.trained_step.is_not(None))
+        ).all()
     assert facts.status == "completed" and facts.violations == []
     assert facts.trained_per_step == [8] * 4
     assert [v for v, _ in versions] == [0, 1, 2, 3, 4]
@@ -43,4 +47,6 @@ def test_the_demo_model_trains_on_the_fleet(running_fleet, fleet_ledger) -> None
     # Generators moved to newer weights as the trainer published them.
     assert max(v for _, v in used if v is not None) >= 2
     # Real completions with sampling log-probs reached the trainer.
-    assert all(len(c["token_ids"]) == len(c["logprobs"]) >= 1 for g in trained for c in g.completions)
+    completions = [c for g in trained for c in decode(g.rollout, g.completion_texts)[1]]
+    assert len(completions) == 4 * 8 * 8 and all(len(c.token_ids) == len(c.logprobs) >= 1 for c in completions)
+    assert all(math.isfinite(p) and p <= 1e-3 for c in completions for p in c.logprobs)
