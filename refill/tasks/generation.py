@@ -25,8 +25,9 @@ from sqlalchemy import select, update
 from refill.batching import MicroBatcher
 from refill.models.context import utcnow
 from refill.models.db import Ledger
-from refill.models.leases import Lease, start_attempt, start_attempts
+from refill.models.leases import Lease, start_attempts
 from refill.models.payload import GenerateMessage, ResultMessage
+from refill.models.settings import LedgerSettings
 from refill.models.tables import Attempt, AttemptState, Run
 from refill.models.training import newest_weights
 from refill.rewards.loader import load_reward_fn
@@ -77,6 +78,8 @@ class GenerationService:
         self.leases = LeaseKeeper(ledger, worker)
         self._lock = threading.Lock()
         self._current: _RunEngine | None = None
+        self._lease_seconds: dict[int, float] = {}
+        self._lease_lock = threading.Lock()
         # No wait for company: a handshake goes at once, and those that arrive while one
         # transaction runs share the next (group commit, as the consumer's).
         self._handshakes: MicroBatcher[tuple[int, int, float, int | None], Lease | None] = MicroBatcher(
@@ -111,16 +114,15 @@ class GenerationService:
     def run(self, message: GenerateMessage) -> str:
         current = self._current
         if current is not None and current.run_id == message.run_id:
-            # The usual case: the engine of this run is loaded, so the lease length is known;
-            # the leases of the attempts arriving together are taken in one transaction.
-            lease = self._handshakes.submit(
-                (message.run_id, message.attempt_id, current.lease_seconds, current.engine.weight_version)
-            )
+            # The usual case: the engine of this run is loaded and knows its weights.
+            seconds, version = current.lease_seconds, current.engine.weight_version
         else:
-            lease = self.ledger.transaction(
-                lambda s: start_attempt(s, message.attempt_id, self.worker, utcnow(), None),
-                what="lease handshake",
-            )
+            # A run's first messages, which arrive together: the lease is taken before the
+            # engine is loaded (a stale message of another run must not make this worker
+            # switch engines), with the lease length read once from the run's config.
+            seconds, version = self._lease_seconds_of(message.run_id), None
+        # The leases of the attempts arriving together are taken in one transaction.
+        lease = None if seconds is None else self._handshakes.submit((message.run_id, message.attempt_id, seconds, version))
         if lease is None:
             # A repeat of a message whose attempt another worker holds or that is settled, or
             # one for an attempt this ledger never dispatched.
@@ -136,6 +138,22 @@ class GenerationService:
             self.leases.release(message.attempt_id)
         self.send_result(result.to_json())
         return result.error_kind or "generated"
+
+    def _lease_seconds_of(self, run_id: int) -> float | None:
+        """The run's lease length (its config never changes), or None for no such run."""
+        found = self._lease_seconds.get(run_id)
+        if found is None:
+            # Its own lock: `_lock` is held while an engine loads, which can take minutes.
+            with self._lease_lock:
+                found = self._lease_seconds.get(run_id)
+                if found is None:
+                    config = self.ledger.transaction(
+                        lambda s: s.scalar(select(Run.config).where(Run.id == run_id)), what="read run config"
+                    )
+                    if config is None:
+                        return None
+                    found = self._lease_seconds[run_id] = LedgerSettings.from_config(config).lease_seconds
+        return found
 
     def _take_leases(self, requests: list[tuple[int, int, float, int | None]]) -> list[Lease | None]:
         """Lease handshakes of the attempts that arrived while the previous ones were taken:

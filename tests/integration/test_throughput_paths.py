@@ -7,6 +7,7 @@ from __future__ import annotations
 from refill.models.context import RunContext
 from refill.models.dataloader import take_spare
 from refill.models.leases import start_attempts
+from refill.models.payload import ResultMessage
 from refill.models.results import Outcome
 from refill.models.runs import request_stop, stop_run
 from refill.models.slots import dispatch
@@ -108,3 +109,44 @@ def test_a_bundle_of_results_is_recorded_once_whatever_it_repeats(ledger) -> Non
     finally:
         consumer.close()
     assert d.step(0).committed == 2
+
+
+def test_a_runs_first_messages_take_their_leases_together_before_its_engine_loads(ledger) -> None:  # type: ignore[no-untyped-def]
+    from refill.models.payload import GenerateMessage
+    from refill.tasks.backends.base import make_engine
+    from refill.tasks.generation import GenerationService
+
+    d = Driver(ledger)
+    d.admit()
+    messages = [GenerateMessage.from_json(m.body) for m in d.relay() if m.kind == "generate"]
+    assert len(messages) >= 4
+    engines: list[int] = []
+    handshakes: list[int] = []
+    sent: list[dict] = []
+
+    def factory(config):  # type: ignore[no-untyped-def]
+        engines.append(1)
+        return make_engine(config)
+
+    class Counting(GenerationService):
+        def _take_leases(self, requests):  # type: ignore[no-untyped-def]
+            handshakes.append(len(requests))
+            return super()._take_leases(requests)
+
+    service = Counting(ledger, send_result=sent.append, worker="gen-1", engine_factory=factory)
+    try:
+        # A message of a run this ledger does not have: skipped, and no engine is loaded for it.
+        stray = GenerateMessage(**{**messages[0].to_json(), "run_id": d.run_id + 1})
+        assert service.run(stray) == "skipped" and engines == [] and handshakes == []
+        outcomes = service.run_all(messages[:4])
+        assert outcomes in ("generated x4", "data x4"), outcomes  # generated (the reward function may refuse sim text)
+        assert engines == [1]  # one engine, loaded after the leases
+        assert sum(handshakes) == 4  # every lease through the batched handshake
+        assert {d.attempt(m.attempt_id).worker for m in messages[:4]} == {"gen-1"}
+        assert sorted(r["attempt_id"] for r in sent) == sorted(m.attempt_id for m in messages[:4])
+        assert all(r["weight_version"] == 0 and r["worker"] == "gen-1" for r in sent), sent[0].get("error")
+        # The second time the same attempt arrives it is not ours: skipped, the engine kept.
+        assert service.run(messages[0]) == "skipped" and engines == [1]
+    finally:
+        service.close()
+    d.record(*(ResultMessage.from_json(r) for r in sent))
