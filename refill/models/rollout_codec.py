@@ -59,7 +59,7 @@ def _little_endian(values: array) -> bytes:
 
 class Rollout:
     """A group's token ids and log-probs as typed arrays: built once per result on the
-    consumer's serial path, checked there (`decisions.payload_problem`) and packed on commit.
+    consumer's serial path, checked there (`decisions.checked_payload`) and packed on commit.
 
     Building the arrays is the check that every token id is an integer in [0, MAX_TOKEN_ID]
     and every log-prob a number, at C speed; the range and finiteness tests then run over
