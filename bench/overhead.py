@@ -284,6 +284,8 @@ def one_step(
             for outcome in recorded.outcomes:
                 counts[outcome.outcome.value] += 1
             counts["results"] += len(recorded.outcomes)
+            counts["completions"] += sum(len(r.completions) for r in decoded)
+            counts["completion tokens"] += sum(len(c.token_ids) for r in decoded for c in r.completions)
             counts["record batches"] += 1
         with timers.time("trainer claim"):
             batch = ledger.transaction(lambda s: claim_training(s, run_id, 0, "bench-trainer"))
@@ -369,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"results recorded {counts['results']} ({counts.get('COMMITTED', 0)} committed, "
         f"{counts.get('FILTERED', 0)} filtered, {counts.get('FAILED', 0)} failed) in "
-        f"{counts['record batches']} batches; messages relayed {counts['messages']}"
+        f"{counts['record batches']} batches; messages relayed {counts['messages']}; "
+        f"{counts['completion tokens'] / max(1, counts['completions']):.1f} tokens per completion"
     )
     results = counts["results"]
     print(f"{'phase (median of rounds)':30}{'wall s':>9}{'per result ms':>15}{'CPU s: bench':>14}{'db':>7}")
