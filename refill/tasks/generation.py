@@ -147,10 +147,9 @@ class GenerationService:
             with self._lease_lock:
                 found = self._lease_seconds.get(run_id)
                 if found is None:
-                    config = self.ledger.transaction(
-                        lambda s: s.scalar(select(Run.config).where(Run.id == run_id)), what="read run config"
-                    )
-                    if config is None:
+                    try:
+                        config = self.ledger.transaction(lambda s: _run_config(s, run_id), what="read run config")
+                    except LookupError:
                         return None
                     found = self._lease_seconds[run_id] = LedgerSettings.from_config(config).lease_seconds
         return found
@@ -252,7 +251,7 @@ class GenerationService:
                     reward.get("function") or "refill.rewards.arith:exact_match", reward.get("kwargs")
                 ),
                 heartbeat_seconds=float(generation.get("heartbeat_seconds") or 10.0),
-                lease_seconds=float(generation.get("lease_seconds") or 120.0),
+                lease_seconds=LedgerSettings.from_config(config).lease_seconds,
                 max_result_bytes=int((config.get("infra") or {}).get("max_result_bytes") or 64 * 2**20),
             )
             return self._current

@@ -101,15 +101,24 @@ def test_upgrade_downgrade_upgrade(empty_url: str) -> None:
     engine.dispose()
 
 
-def test_0004_counts_the_groups_of_runs_recorded_before_it(empty_url: str) -> None:
+def admitted(url: str):  # type: ignore[no-untyped-def]
+    """A ledger migrated to head with a run whose first step is admitted, and its driver: the
+    data migrations are tested on what the current code records."""
     from refill.models.db import Ledger
-    from refill.models.tables import Run
-    from tests.support.driver import FLAT, SPREAD, Driver
+    from tests.support.driver import Driver
 
-    ledger = Ledger(empty_url)
+    ledger = Ledger(url)
     upgrade(ledger.engine)
     d = Driver(ledger, check=False)
     d.admit()
+    return ledger, d
+
+
+def test_0004_counts_the_groups_of_runs_recorded_before_it(empty_url: str) -> None:
+    from refill.models.tables import Run
+    from tests.support.driver import FLAT, SPREAD
+
+    ledger, d = admitted(empty_url)
     d.filter_slot(0, 0, FLAT)
     d.commit_slot(0, 1, SPREAD)
     d.commit_slot(0, 2, SPREAD)
@@ -122,14 +131,10 @@ def test_0004_counts_the_groups_of_runs_recorded_before_it(empty_url: str) -> No
 
 
 def test_0005_counts_the_spare_pool_of_runs_recorded_before_it(empty_url: str) -> None:
-    from refill.models.db import Ledger
     from refill.models.tables import Run
-    from tests.support.driver import FLAT, Driver
+    from tests.support.driver import FLAT
 
-    ledger = Ledger(empty_url)
-    upgrade(ledger.engine)
-    d = Driver(ledger, check=False)
-    d.admit()
+    ledger, d = admitted(empty_url)
     d.filter_slot(0, 0, FLAT)  # its replacement takes a spare
     pool = len(d.spare_pool())
     assert pool > 0
@@ -143,14 +148,10 @@ def test_0005_counts_the_spare_pool_of_runs_recorded_before_it(empty_url: str) -
 def test_0006_packs_the_groups_recorded_before_it_and_unpacks_them_back(empty_url: str) -> None:
     from sqlalchemy import select
 
-    from refill.models.db import Ledger
     from refill.models.tables import Group
-    from tests.support.driver import SPREAD, Driver
+    from tests.support.driver import SPREAD
 
-    ledger = Ledger(empty_url)
-    upgrade(ledger.engine)
-    d = Driver(ledger, check=False)
-    d.admit()
+    ledger, d = admitted(empty_url)
     for idx in range(3):
         d.commit_slot(0, idx, SPREAD)
     with ledger.session() as session:
@@ -182,14 +183,10 @@ def test_refill_db_upgrade_shows_each_revision_and_the_conversions_progress(tmp_
     from typer.testing import CliRunner
 
     from refill.admin.cli import app
-    from refill.models.db import Ledger
-    from tests.support.driver import SPREAD, Driver
+    from tests.support.driver import SPREAD
 
     url = f"sqlite:///{tmp_path}/refill.db"
-    ledger = Ledger(url)
-    upgrade(ledger.engine)
-    d = Driver(ledger, check=False)
-    d.admit()
+    ledger, d = admitted(url)
     d.commit_slot(0, 0, SPREAD)
     d.commit_slot(0, 1, SPREAD)
     downgrade(ledger.engine, "0005")
