@@ -491,7 +491,7 @@ def test_models_and_data_are_mounted_where_the_config_reads_them() -> None:
     model, data = config["model"]["name_or_path"], config["data"]["train_path"]
     for name in ("start", "generate", "trainer"):
         target = mounted_under(resolved[name], model)
-        assert target == "/models", f"{name} cannot read {model}"
+        assert target == "/weights", f"{name} cannot read {model}"
         assert read_only(resolved[name], target), f"{name} mounts the models writable"
     assert mounted_under(resolved["start"], data) == "/data" and read_only(resolved["start"], "/data")
 
@@ -556,7 +556,7 @@ def test_gpu_image_is_vllm_with_the_vllm_extra() -> None:
 
 
 def test_build_context_leaves_out_the_heavy_and_the_secret() -> None:
-    for path in (".git", ".venv", "runs", "models/Qwen/model.safetensors", "data/math/train.jsonl",
+    for path in (".git", ".venv", "runs", "weights/Qwen/model.safetensors", "data/math/train.jsonl",
                  "docker/.env", "refill/__pycache__/x.pyc", "refill.egg-info", "runs/refill.db"):
         assert dockerignored(path), path
     for path in ("pyproject.toml", "refill/tasks/app.py", "refill/assets/tiny-arith/tokenizer.json",
