@@ -1,5 +1,5 @@
 """The slots' and attempts' changes of a flush, written as one UPDATE per table and set of
-columns on PostgreSQL (refill/models/bulk_update.py)."""
+columns on PostgreSQL (models/bulk_update.py)."""
 
 from __future__ import annotations
 

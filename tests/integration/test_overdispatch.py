@@ -1,4 +1,4 @@
-"""Adaptive over-dispatch (refill/models/overdispatch.py): which step gets extras, how many, and
+"""Adaptive over-dispatch (models/overdispatch.py): which step gets extras, how many, and
 what happens to extras whose step no longer needs them.
 
 The Driver's steps have 4 slots; before any group is seen the estimate of p is its prior, 0.25."""

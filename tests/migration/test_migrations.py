@@ -54,7 +54,7 @@ def test_upgrade_creates_the_models_schema(empty_url: str) -> None:
 
 
 def test_autogenerate_through_env_py_finds_nothing_to_do(empty_url: str) -> None:
-    """`alembic check` runs autogenerate through refill/migrations/env.py: the views, which are
+    """`alembic check` runs autogenerate through migrations/env.py: the views, which are
     not in the models, must not read as a difference."""
     from alembic import command
 

@@ -171,9 +171,9 @@ def fleet(database_url: str, workdir: Path, roles: tuple[str, ...] = ("generate"
             f.start(role)
         yield f
     finally:
-        for name, process in list(f.workers.items()):
+        for process in list(f.workers.values()):
             process.send_signal(signal.SIGTERM)
-        for name, process in list(f.workers.items()):
+        for process in list(f.workers.values()):
             try:
                 process.wait(20)
             except subprocess.TimeoutExpired:

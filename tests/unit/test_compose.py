@@ -559,8 +559,9 @@ def test_build_context_leaves_out_the_heavy_and_the_secret() -> None:
     for path in (".git", ".venv", "runs", "weights/Qwen/model.safetensors", "data/math/train.jsonl",
                  "docker/.env", "refill/__pycache__/x.pyc", "refill.egg-info", "runs/refill.db"):
         assert dockerignored(path), path
-    for path in ("pyproject.toml", "refill/tasks/app.py", "refill/assets/tiny-arith/tokenizer.json",
-                 "refill/migrations/versions/0001_ledger.py", "configs/qwen-math-vllm.yaml",
+    for path in ("pyproject.toml", "tasks/app.py", "refill/assets/tiny-arith/tokenizer.json",
+                 "migrations/versions/0001_ledger.py", "models/tables.py", "trainer/grpo.py",
+                 "admin/cli.py", "configs/qwen-math-vllm.yaml",
                  "docker/healthcheck.py"):
         assert not dockerignored(path), path
 

@@ -5,7 +5,7 @@ is wrong (run, step, slot, attempt) and how; an empty list means the invariant h
 the tables only, never a process's memory, so they prove what the ledger says happened.
 
 Several invariants are also CHECK constraints or unique indexes of the schema
-(`refill/models/tables.py`); the checks do not trust them: a ledger restored from a dump, a
+(`models/tables.py`); the checks do not trust them: a ledger restored from a dump, a
 constraint dropped by hand, or a bug in a migration must still be caught, and where a
 constraint covers a counter the checks also compare the counter with the rows it counts.
 

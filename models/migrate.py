@@ -9,9 +9,10 @@ from alembic import command
 from alembic.config import Config
 from sqlalchemy import Engine, inspect
 
+import refill.migrations
 from refill.models.db import make_engine
 
-MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
+MIGRATIONS = Path(refill.migrations.__file__).resolve().parent
 
 
 def alembic_config() -> Config:

@@ -1,0 +1,1 @@
+"""Alembic migrations of the ledger (`refill db upgrade`); see refill.models.migrate."""

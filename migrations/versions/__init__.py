@@ -1,0 +1,1 @@
+"""One file per revision; Alembic loads them by path."""
