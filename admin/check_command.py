@@ -30,8 +30,8 @@ def check(
     dynamic sampling, staleness bound held, each released step full, weight versions
     contiguous, one live attempt per open slot, and the ledger's own bookkeeping. Each
     violation names its run, step, slot and attempt."""
-    from refill.models.checks import CHECKS, run_checks
-    from refill.models.queries import read_snapshot
+    from refill.admin.checks import CHECKS, run_checks
+    from refill.admin.queries import read_snapshot
 
     names = [c.name for c in CHECKS]
     unknown = [n for n in only or [] if n not in names]

@@ -251,7 +251,7 @@ class PipelineFleet:
     def round(self, groups: int) -> PipelineRound:
         from sqlalchemy import func, select
 
-        from refill.models.checks import run_checks
+        from refill.admin.checks import run_checks
         from refill.models.config import config_from_dict
         from refill.models.db import Ledger
         from refill.models.tables import Attempt, FailureKind, RejectedResult

@@ -34,12 +34,12 @@ import pytest
 from sqlalchemy import create_engine, text
 from typer.testing import CliRunner
 
+from refill.admin.checks import CHECKS, run_checks
 from refill.admin.cli import app
+from refill.admin.queries import METRIC_COLUMNS
 from refill.models import decisions
-from refill.models.checks import CHECKS, run_checks
 from refill.models.db import Ledger
 from refill.models.leases import start_attempt
-from refill.models.queries import METRIC_COLUMNS
 from refill.models.runs import start_run, stop_run
 
 pytestmark = pytest.mark.timeout(300)

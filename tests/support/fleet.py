@@ -20,9 +20,9 @@ from typing import Any
 
 import yaml
 
+from refill.admin.queries import run_progress
 from refill.models.config import config_from_dict
 from refill.models.db import Ledger
-from refill.models.queries import run_progress
 from refill.tasks.app import make_app
 from refill.tasks.controller import Controller
 from refill.tasks.setup import create_run_from_config

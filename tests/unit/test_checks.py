@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
-from refill.models.checks import CHECKS, Violation, run_checks
+from refill.admin.checks import CHECKS, Violation, run_checks
+from refill.admin.queries import read_snapshot
 from refill.models.db import Ledger
-from refill.models.queries import read_snapshot
 from refill.models.results import Outcome
 from tests.support import invariants
 from tests.support.driver import FLAT, Driver
