@@ -22,7 +22,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from refill.batching import MicroBatcher
+from refill.microbatcher import MicroBatcher
 from refill.models.context import utcnow
 from refill.models.db import Ledger
 from refill.models.payload import PayloadError, ResultMessage

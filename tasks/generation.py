@@ -22,7 +22,7 @@ from typing import Any
 
 from sqlalchemy import select, update
 
-from refill.batching import MicroBatcher
+from refill.microbatcher import MicroBatcher
 from refill.models.context import utcnow
 from refill.models.db import Ledger
 from refill.models.leases import Lease, start_attempts
@@ -33,7 +33,7 @@ from refill.models.training import newest_weights
 from refill.rewards.loader import load_reward_fn
 from refill.rewards.scoring import RewardError, score_group
 from refill.tasks.backends.base import GenerationOutput, GenerationRequest, make_engine
-from refill.tasks.backends.batching import BatchingEngine
+from refill.tasks.backends.engine_batching import BatchingEngine
 
 log = logging.getLogger(__name__)
 

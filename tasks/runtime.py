@@ -121,7 +121,7 @@ class ResultSender:
         max_bytes: int = BUNDLE_MAX_BYTES,
         max_wait_ms: float = BUNDLE_WAIT_MS,
     ) -> None:
-        from refill.batching import MicroBatcher
+        from refill.microbatcher import MicroBatcher
 
         self.app = app
         self.max_bytes = max_bytes

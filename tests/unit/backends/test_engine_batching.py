@@ -5,10 +5,10 @@ import time
 
 import pytest
 
-from refill.batching import BatcherClosed, MicroBatcher
+from refill.microbatcher import BatcherClosed, MicroBatcher
 from refill.models.payload import Completion
 from refill.tasks.backends.base import GenerationOutput, GenerationRequest
-from refill.tasks.backends.batching import BatchingEngine, StaleWeightsError
+from refill.tasks.backends.engine_batching import BatchingEngine, StaleWeightsError
 
 
 def request(attempt_id: int, min_weight_version: int = 0) -> GenerationRequest:

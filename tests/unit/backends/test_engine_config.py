@@ -6,7 +6,7 @@ import pytest
 
 from refill.models.config import RunConfig
 from refill.tasks.backends.base import cfg, make_engine
-from refill.tasks.backends.batching import BatchingEngine
+from refill.tasks.backends.engine_batching import BatchingEngine
 from refill.tasks.backends.sim import SimEngine
 
 

@@ -20,7 +20,7 @@ import pytest
 
 from refill.assets import tiny_arith_path
 from refill.tasks.backends.base import EngineError, GenerationOutput, GenerationRequest, stable_seed
-from refill.tasks.backends.batching import BatchingEngine
+from refill.tasks.backends.engine_batching import BatchingEngine
 from refill.tasks.backends.vllm import VLLMEngine
 
 EOS = 2

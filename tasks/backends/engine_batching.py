@@ -1,4 +1,4 @@
-"""One engine, many groups in flight: the engine-side wrapper around ``refill.batching.MicroBatcher``.
+"""One engine, many groups in flight: the engine-side wrapper around ``refill.microbatcher.MicroBatcher``.
 
 A generation worker runs a Celery ``threads`` pool; each thread handles one attempt and calls
 ``BatchingEngine.submit(request)``, which blocks until that group is generated. A single engine
@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from refill.batching import BatcherClosed, MicroBatcher
+from refill.microbatcher import BatcherClosed, MicroBatcher
 from refill.tasks.backends.base import Engine, EngineError, GenerationOutput, GenerationRequest, cfg
 
 log = logging.getLogger(__name__)
