@@ -32,7 +32,8 @@ from refill.models.tables import Attempt, AttemptState, Run
 from refill.models.training import newest_weights
 from refill.rewards.loader import load_reward_fn
 from refill.rewards.scoring import RewardError, score_group
-from refill.tasks.backends.base import GenerationOutput, GenerationRequest, make_engine
+from refill.tasks.backends import make_engine
+from refill.tasks.backends.base import GenerationOutput, GenerationRequest
 from refill.tasks.backends.engine_batching import BatchingEngine
 
 log = logging.getLogger(__name__)

@@ -4,8 +4,8 @@ An engine turns a list of ``GenerationRequest`` (one prompt group each) into one
 request: a ``GenerationOutput`` or an ``Exception``. An exception in the list fails that request
 only; an exception raised by ``generate`` fails the whole list (the engine crashed).
 
-Nothing here imports torch, transformers, vllm or Celery: the heavy back-ends are imported by
-``make_engine`` only when the configuration asks for them.
+Nothing here imports torch, transformers, vllm or Celery, nor any back-end: each back-end
+imports this module, and ``refill.tasks.backends.make_engine`` picks one.
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from refill.models.payload import Completion
-
-BACKENDS = ("sim", "hf", "vllm")
 
 _MISSING = object()
 
@@ -124,28 +122,6 @@ def cfg(config: Any, dotted: str, default: Any = _MISSING) -> Any:
             raise KeyError(f"the run config has no {dotted!r}")
         return default
     return node
-
-
-def make_engine(config: Any, **kwargs: Any) -> Engine:
-    """Build the engine named by ``generation.backend`` ("sim" | "hf" | "vllm").
-
-    Extra keyword arguments go to the back-end's ``from_config`` (test hooks such as
-    ``llm_factory`` for vllm, ``virtual`` for sim).
-    """
-    backend = cfg(config, "generation.backend", "sim")
-    if backend == "sim":
-        from refill.tasks.backends.sim import SimEngine
-
-        return SimEngine.from_config(config, **kwargs)
-    if backend == "hf":
-        from refill.tasks.backends.hf import HFEngine
-
-        return HFEngine.from_config(config, **kwargs)
-    if backend == "vllm":
-        from refill.tasks.backends.vllm import VLLMEngine
-
-        return VLLMEngine.from_config(config, **kwargs)
-    raise ValueError(f"generation.backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
 
 
 # ---------------------------------------------------------------------------- helpers shared by back-ends

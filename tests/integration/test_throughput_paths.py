@@ -113,7 +113,7 @@ def test_a_bundle_of_results_is_recorded_once_whatever_it_repeats(ledger) -> Non
 
 def test_a_runs_first_messages_take_their_leases_together_before_its_engine_loads(ledger) -> None:  # type: ignore[no-untyped-def]
     from refill.models.payload import GenerateMessage
-    from refill.tasks.backends.base import make_engine
+    from refill.tasks.backends import make_engine
     from refill.tasks.generation import GenerationService
 
     d = Driver(ledger)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from refill.models.config import RunConfig
-from refill.tasks.backends.base import cfg, make_engine
+from refill.tasks.backends import make_engine
+from refill.tasks.backends.base import cfg
 from refill.tasks.backends.engine_batching import BatchingEngine
 from refill.tasks.backends.sim import SimEngine
 

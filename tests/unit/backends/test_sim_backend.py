@@ -7,7 +7,8 @@ from types import SimpleNamespace
 import pytest
 
 from refill.rewards.sim import SOLVED_MARKER, UNSOLVED_MARKER, solved
-from refill.tasks.backends.base import EngineError, GenerationOutput, GenerationRequest, make_engine
+from refill.tasks.backends import make_engine
+from refill.tasks.backends.base import EngineError, GenerationOutput, GenerationRequest
 from refill.tasks.backends.sim import (
     Latency,
     SimEngine,

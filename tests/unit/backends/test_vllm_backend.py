@@ -377,7 +377,7 @@ def test_chat_template_is_applied_to_the_token_ids():
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
 def test_without_vllm_the_error_says_how_to_install_it():
-    from refill.tasks.backends.base import make_engine
+    from refill.tasks.backends import make_engine
 
     config = SimpleNamespace(
         model=SimpleNamespace(name_or_path="builtin:tiny-arith"),
