@@ -31,7 +31,7 @@ def check(
     contiguous, one live attempt per open slot, and the ledger's own bookkeeping. Each
     violation names its run, step, slot and attempt."""
     from refill.admin.checks import CHECKS, run_checks
-    from refill.admin.queries import read_snapshot
+    from refill.admin.snapshot import read_snapshot
 
     names = [c.name for c in CHECKS]
     unknown = [n for n in only or [] if n not in names]

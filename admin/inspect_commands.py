@@ -85,7 +85,7 @@ def ledger_for(database_url: str | None) -> Iterator[Any]:
 
 def read(database_url: str | None, question: Callable[[Any], T]) -> T:
     """Answer `question(session)` on one snapshot; NotFound becomes `error: ...`, exit 2."""
-    from refill.admin.queries import read_snapshot
+    from refill.admin.snapshot import read_snapshot
 
     with ledger_for(database_url) as ledger, read_snapshot(ledger) as session:
         try:
@@ -171,7 +171,7 @@ def runs(
     """List the runs in the ledger, newest first.
 
     With each: its state, how many steps it trained, its weight version and batch shape."""
-    from refill.admin.queries import list_runs
+    from refill.admin.run_queries import list_runs
 
     rows = read(database_url, lambda s: list_runs(s, status=status.value if status else None, limit=limit))
     if as_json:
@@ -211,7 +211,8 @@ def run_show(
 
     Counts of its steps, slots, attempts (by state and reason), groups and refused results,
     and the measured zero-variance fraction."""
-    from refill.admin.queries import get_run, run_detail
+    from refill.admin.run_queries import run_detail
+    from refill.admin.snapshot import get_run
 
     def question(session: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
         detail = run_detail(session, run_id)
@@ -282,7 +283,7 @@ def steps(
     as_json: AsJson = False,
 ) -> None:
     """Show the run's steps: how full, what their attempts did, reward, timings."""
-    from refill.admin.queries import step_rows
+    from refill.admin.run_queries import step_rows
 
     rows = read(database_url, lambda s: step_rows(s, run_id, status=status.value if status else None))
     if as_json:
@@ -331,7 +332,7 @@ def slots(
 
     `--status open` lists the slots a step is waiting on; without --step, the slots of every
     step not yet trained."""
-    from refill.admin.queries import slot_rows
+    from refill.admin.slot_queries import slot_rows
 
     rows = read(
         database_url, lambda s: slot_rows(s, run_id, step=step, status=status.value if status else None)
@@ -390,7 +391,7 @@ def slot(
 
     With each attempt: prompt, worker, weight version, rewards, outcome, latency and error;
     attempts handed to or from the slot are included, and a borrowed group names its lender."""
-    from refill.admin.queries import slot_history
+    from refill.admin.slot_queries import slot_history
 
     h = read(database_url, lambda s: slot_history(s, run_id, step, index))
     if as_json:
@@ -459,7 +460,7 @@ def budget(
     left; budget_exhaustion_risk is the probability that some slot of the run exhausts its
     filter budget, 1 - (1 - p**(budget+1))**(N * max_num_steps); the expected number of
     exhausted slots is p**(budget+1) * N * max_num_steps."""
-    from refill.admin.queries import budget_report
+    from refill.admin.budget_queries import budget_report
 
     b = read(database_url, lambda s: budget_report(s, run_id, step=step, every_slot=every_slot))
     if as_json:
@@ -538,7 +539,7 @@ def workers(
     The last heartbeat is leased_until - lease_seconds (a heartbeat pushes the lease out);
     also the soonest lease expiry, leases already expired, and the work finished recently.
     Trainers show the step they hold."""
-    from refill.admin.queries import queue_counts, worker_rows
+    from refill.admin.fleet_queries import queue_counts, worker_rows
 
     now = datetime.now(UTC)
     rows, waiting = read(
@@ -592,7 +593,8 @@ def tail(
 
     The steps filling now and the metrics of each trained step. On a terminal it is the live display of `refill run start`; otherwise one line per change.
     Exit 0 when the run completes (or stops), 1 when it fails."""
-    from refill.admin.queries import RunProgress, read_snapshot, run_progress, step_metrics
+    from refill.admin.progress_queries import RunProgress, run_progress, step_metrics
+    from refill.admin.snapshot import read_snapshot
 
     with ledger_for(database_url) as ledger:
 
@@ -648,7 +650,7 @@ def tail(
 
 
 def _ended(progress: Any) -> bool:
-    from refill.admin.queries import FINISHED_RUN_STATES
+    from refill.admin.snapshot import FINISHED_RUN_STATES
 
     return progress.status in FINISHED_RUN_STATES
 

@@ -32,7 +32,8 @@ SERIES_KEY = "refill.series"
 
 
 def _rows(database_url: str | None, run_id: int) -> list[dict[str, Any]]:
-    from refill.admin.queries import get_run, step_metrics
+    from refill.admin.progress_queries import step_metrics
+    from refill.admin.snapshot import get_run
 
     def question(session: Any) -> list[dict[str, Any]]:
         get_run(session, run_id)
@@ -88,7 +89,7 @@ def plot(
         fail(f"{output}: the plot is a PNG; name the file *.png", EXIT_BAD_INPUT)
     if output.parent and not output.parent.exists():
         fail(f"{output.parent}: no such directory", EXIT_BAD_INPUT)
-    from refill.admin.queries import get_run
+    from refill.admin.snapshot import get_run
 
     name = read(database_url, lambda s: get_run(s, run_id).name)
     rows = _rows(database_url, run_id)

@@ -14,7 +14,7 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from refill.admin.queries import RunProgress
+from refill.admin.progress_queries import RunProgress
 
 COLUMNS = [
     ("step", "step", "{}"),

@@ -281,7 +281,7 @@ def _follow(controller: Any, *, quiet: bool) -> str:
 
 def _summary(ledger: Any, run_id: int, status: str) -> None:
     from refill.admin.progress import metrics_table, write_metrics
-    from refill.admin.queries import step_metrics
+    from refill.admin.progress_queries import step_metrics
     from refill.models.tables import Run
 
     with ledger.session() as session:

@@ -23,7 +23,7 @@ from typing import Any
 from celery import Celery
 from kombu.exceptions import OperationalError as BrokerUnreachable
 
-from refill.admin.queries import RunProgress, run_progress
+from refill.admin.progress_queries import RunProgress, run_progress
 from refill.models.admission import admit_steps
 from refill.models.db import Ledger
 from refill.models.leases import expire_leases
@@ -138,7 +138,7 @@ class Controller:
     def _warn_budget_risk(self) -> None:
         """Say so while the run is healthy if its dynamic-sampling budget is likely to run out
         (the reference only found out when a slot exhausted it)."""
-        from refill.admin.queries import budget_risk
+        from refill.admin.budget_queries import budget_risk
 
         risk = self.ledger.transaction(lambda s: budget_risk(s, self.run_id), what="read budget risk")
         if risk is None or risk.probability < BUDGET_RISK_WARNING or risk.step == self._risk_warned_step:

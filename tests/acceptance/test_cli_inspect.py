@@ -36,7 +36,7 @@ from typer.testing import CliRunner
 
 from refill.admin.checks import CHECKS, run_checks
 from refill.admin.cli import app
-from refill.admin.queries import METRIC_COLUMNS
+from refill.admin.progress_queries import METRIC_COLUMNS
 from refill.models import decisions
 from refill.models.db import Ledger
 from refill.models.leases import start_attempt

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from refill.admin.queries import budget_risk
+from refill.admin.budget_queries import budget_risk
 from refill.models import decisions
 from tests.support.driver import FLAT, SPREAD, Driver
 
@@ -25,7 +25,7 @@ def test_budget_risk_follows_the_measured_zero_variance_fraction(ledger) -> None
 
 
 def _p(session, run_id):  # type: ignore[no-untyped-def]
-    from refill.admin.queries import measured_zero_variance
+    from refill.admin.budget_queries import measured_zero_variance
 
     zero, total = measured_zero_variance(session, run_id)
     return zero / total

@@ -109,7 +109,7 @@ def test_tail_fraction_sets_how_many_last_slots_may_displace_a_slow_attempt(ledg
 def test_run_detail_counts_parked_groups_no_step_can_still_train_as_expired(ledger) -> None:  # type: ignore[no-untyped-def]
     from sqlalchemy import update
 
-    from refill.admin.queries import run_detail
+    from refill.admin.run_queries import run_detail
     from refill.models.tables import Group
 
     d = Driver(ledger, over_dispatch(lookahead=0, sigmas=1.0), check=False)

@@ -20,7 +20,7 @@ import redis
 from sqlalchemy import and_, create_engine, func, select, text
 from sqlalchemy.orm import Session
 
-from refill.admin.queries import run_progress
+from refill.admin.progress_queries import run_progress
 from refill.models.db import Ledger
 from refill.models.tables import (
     Attempt,

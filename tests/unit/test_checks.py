@@ -19,7 +19,7 @@ import pytest
 from sqlalchemy import text
 
 from refill.admin.checks import CHECKS, Violation, run_checks
-from refill.admin.queries import read_snapshot
+from refill.admin.snapshot import read_snapshot
 from refill.models.db import Ledger
 from refill.models.results import Outcome
 from tests.support import invariants

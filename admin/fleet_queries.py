@@ -1,0 +1,133 @@
+"""The fleet as the ledger sees it (`refill workers`): per worker the attempts or step it
+holds, its last heartbeat and recent work; and the attempts waiting for a worker.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from refill.admin.snapshot import count_by, get_run
+from refill.models.tables import Attempt, AttemptState, Run, RunStatus, Step, StepStatus
+
+
+def worker_rows(
+    session: Session, *, run_id: int | None = None, since_seconds: float = 600.0, now: datetime | None = None
+) -> list[dict[str, Any]]:
+    """The fleet as the ledger sees it: per generation worker, the attempts it holds now and
+    its last heartbeat (a lease is pushed to now + lease_seconds at every heartbeat, so the
+    last one was at leased_until - lease_seconds), and what it finished recently; plus the
+    trainers holding a step. Workers silent for longer than `since_seconds` are left out."""
+    from refill.models.settings import LedgerSettings
+
+    now = now or datetime.now(UTC)
+    since = now - timedelta(seconds=since_seconds)
+    if run_id is not None:
+        get_run(session, run_id)
+    lease_of = {
+        rid: LedgerSettings.from_config(config).lease_seconds
+        for rid, config in session.execute(
+            select(Run.id, Run.config).where(
+                Run.id.in_(
+                    select(Attempt.run_id).where(Attempt.state == AttemptState.RUNNING.value).distinct()
+                )
+            )
+        ).all()
+    }
+    scope = [Attempt.worker.is_not(None)]
+    if run_id is not None:
+        scope.append(Attempt.run_id == run_id)
+    workers: dict[str, dict[str, Any]] = {}
+
+    def entry(name: str) -> dict[str, Any]:
+        return workers.setdefault(
+            name,
+            {
+                "worker": name,
+                "role": "generate",
+                "in_flight": 0,
+                "runs": [],
+                "last_heartbeat": None,
+                "lease_expires": None,
+                "expired_leases": 0,
+                "oldest_started_at": None,
+                "finished_recently": 0,
+                "failed_recently": 0,
+                "last_finished_at": None,
+            },
+        )
+
+    for a_run, worker, started, leased in session.execute(
+        select(Attempt.run_id, Attempt.worker, Attempt.started_at, Attempt.leased_until).where(
+            *scope, Attempt.state == AttemptState.RUNNING.value
+        )
+    ).all():
+        row = entry(worker)
+        row["in_flight"] += 1
+        if a_run not in row["runs"]:
+            row["runs"].append(a_run)
+        if leased is not None:
+            beat = leased - timedelta(seconds=lease_of.get(a_run, 0.0))
+            row["last_heartbeat"] = max(filter(None, [row["last_heartbeat"], beat]))
+            row["lease_expires"] = min(filter(None, [row["lease_expires"], leased]))
+            if leased < now:
+                row["expired_leases"] += 1
+        if started is not None:
+            row["oldest_started_at"] = min(filter(None, [row["oldest_started_at"], started]))
+    for worker, a_run, n, failed, last in session.execute(
+        select(
+            Attempt.worker,
+            Attempt.run_id,
+            func.count(),
+            func.count().filter(Attempt.state == AttemptState.FAILED.value),
+            func.max(Attempt.finished_at),
+        )
+        .where(*scope, Attempt.finished_at >= since)
+        .group_by(Attempt.worker, Attempt.run_id)
+    ).all():
+        row = entry(worker)
+        row["finished_recently"] += int(n)
+        row["failed_recently"] += int(failed)
+        row["last_finished_at"] = max(filter(None, [row["last_finished_at"], last]))
+        if a_run not in row["runs"]:
+            row["runs"].append(a_run)
+    trainer_scope = [Step.trainer_id.is_not(None)]
+    if run_id is not None:
+        trainer_scope.append(Step.run_id == run_id)
+    for trainer, s_run, status, lease, started, trained in session.execute(
+        select(Step.trainer_id, Step.run_id, Step.status, Step.trainer_lease_until, Step.train_started_at, Step.trained_at).where(
+            *trainer_scope,
+            (Step.status == StepStatus.TRAINING.value) | (Step.trained_at >= since),
+        )
+    ).all():
+        row = entry(trainer)
+        row["role"] = "train"
+        if s_run not in row["runs"]:
+            row["runs"].append(s_run)
+        if status == StepStatus.TRAINING.value:
+            row["in_flight"] += 1
+            row["lease_expires"] = min(filter(None, [row["lease_expires"], lease]))
+            if lease is not None and lease < now:
+                row["expired_leases"] += 1
+            if started is not None:
+                row["oldest_started_at"] = min(filter(None, [row["oldest_started_at"], started]))
+        elif trained is not None:
+            row["finished_recently"] += 1
+            row["last_finished_at"] = max(filter(None, [row["last_finished_at"], trained]))
+    for row in workers.values():
+        row["runs"].sort()
+    return sorted(workers.values(), key=lambda r: (r["role"], r["worker"]))
+
+
+def queue_counts(session: Session, *, run_id: int | None = None) -> dict[str, int]:
+    """Attempts waiting for a worker (pending: not yet on the queue; queued: on it)."""
+    where = [Attempt.state.in_([AttemptState.PENDING.value, AttemptState.QUEUED.value])]
+    if run_id is not None:
+        where.append(Attempt.run_id == run_id)
+    else:
+        where.append(Attempt.run_id.in_(select(Run.id).where(Run.status == RunStatus.RUNNING.value)))
+    counts = count_by(session, Attempt.state, *where)
+    return {state: counts.get(state, 0) for state in (AttemptState.PENDING.value, AttemptState.QUEUED.value)}

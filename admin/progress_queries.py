@@ -1,0 +1,94 @@
+"""How far a run got, read by the controller's progress display, `refill tail` and the
+metrics commands: the run's position and open steps, and the per-step metrics rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from refill.models.tables import Run, SparePrompt, Step, StepMetrics, StepStatus
+
+
+@dataclass
+class StepProgress:
+    step: int
+    status: str
+    committed: int
+    target: int
+
+
+@dataclass
+class RunProgress:
+    run_id: int
+    name: str
+    status: str
+    end_reason: str | None
+    error: str | None
+    max_num_steps: int
+    trained_steps: int
+    weight_version: int
+    spare_pool: int
+    open_steps: list[StepProgress] = field(default_factory=list)
+    last_metrics: dict[str, Any] | None = None
+
+
+def run_progress(session: Session, run_id: int) -> RunProgress:
+    run = session.get(Run, run_id)
+    if run is None:
+        raise LookupError(f"there is no run {run_id}")
+    trained = session.scalar(
+        select(func.count()).where(Step.run_id == run_id, Step.status == StepStatus.TRAINED.value)
+    )
+    spare = session.scalar(
+        select(func.count()).where(SparePrompt.run_id == run_id, SparePrompt.taken_at.is_(None))
+    )
+    open_steps = [
+        StepProgress(s.step, s.status, s.committed, s.num_slots - s.shrunk)
+        for s in session.scalars(
+            select(Step)
+            .where(Step.run_id == run_id, Step.status != StepStatus.TRAINED.value)
+            .order_by(Step.step)
+        )
+    ]
+    last = session.scalars(
+        select(StepMetrics)
+        .join(Step, (Step.run_id == StepMetrics.run_id) & (Step.step == StepMetrics.step))
+        .where(StepMetrics.run_id == run_id, Step.status == StepStatus.TRAINED.value)
+        .order_by(StepMetrics.step.desc())
+        .limit(1)
+    ).first()
+    return RunProgress(
+        run_id=run.id,
+        name=run.name,
+        status=run.status,
+        end_reason=run.end_reason,
+        error=run.error,
+        max_num_steps=run.max_num_steps,
+        trained_steps=int(trained or 0),
+        weight_version=run.weight_version,
+        spare_pool=int(spare or 0),
+        open_steps=open_steps,
+        last_metrics=metrics_dict(last) if last is not None else None,
+    )
+
+
+METRIC_COLUMNS = [c.key for c in StepMetrics.__table__.columns if c.key not in ("run_id", "extra")]
+
+
+def metrics_dict(row: StepMetrics) -> dict[str, Any]:
+    out = {key: getattr(row, key) for key in METRIC_COLUMNS}
+    out.update(row.extra or {})
+    return out
+
+
+def step_metrics(session: Session, run_id: int) -> list[dict[str, Any]]:
+    return [
+        metrics_dict(row)
+        for row in session.scalars(
+            select(StepMetrics).where(StepMetrics.run_id == run_id).order_by(StepMetrics.step)
+        )
+    ]
