@@ -1,7 +1,7 @@
 """`refill check RUN`: prove the ledger's invariants (SPEC §8) for one run.
 
 Exit 0 when every check holds, 1 naming each violation (check, run, step, slot, attempt), 2
-for an unknown run or ledger. The checks are `refill.models.checks`; they run on one snapshot
+for an unknown run or ledger. The checks are `refill.admin.invariants`; they run on one snapshot
 of the ledger, so a running run can be checked too.
 """
 
@@ -30,7 +30,7 @@ def check(
     dynamic sampling, staleness bound held, each released step full, weight versions
     contiguous, one live attempt per open slot, and the ledger's own bookkeeping. Each
     violation names its run, step, slot and attempt."""
-    from refill.admin.checks import CHECKS, run_checks
+    from refill.admin.invariants import CHECKS, run_checks
     from refill.admin.snapshot import read_snapshot
 
     names = [c.name for c in CHECKS]

@@ -251,8 +251,8 @@ class PipelineFleet:
     def round(self, groups: int) -> PipelineRound:
         from sqlalchemy import func, select
 
-        from refill.admin.checks import run_checks
-        from refill.models.config import config_from_dict
+        from refill.admin.invariants import run_checks
+        from refill.config import config_from_dict
         from refill.models.db import Ledger
         from refill.models.tables import Attempt, FailureKind, RejectedResult
         from refill.tasks.controller import Controller

@@ -34,8 +34,8 @@ import pytest
 from sqlalchemy import create_engine, text
 from typer.testing import CliRunner
 
-from refill.admin.checks import CHECKS, run_checks
 from refill.admin.cli import app
+from refill.admin.invariants import CHECKS, run_checks
 from refill.admin.progress_queries import METRIC_COLUMNS
 from refill.models import decisions
 from refill.models.db import Ledger

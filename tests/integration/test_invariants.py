@@ -24,7 +24,8 @@ import pytest
 from sqlalchemy import delete, select, text, update
 from sqlalchemy.orm import Session
 
-from refill.admin.checks import CHECKS, LIVE, Violation, run_checks
+from refill.admin.invariant_types import LIVE, Violation
+from refill.admin.invariants import CHECKS, run_checks
 from refill.models.settings import LedgerSettings
 from refill.models.tables import (
     Attempt,

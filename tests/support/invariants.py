@@ -19,7 +19,7 @@ from collections.abc import Iterable
 
 from sqlalchemy.orm import Session
 
-from refill.admin.checks import CHECKS, run_checks
+from refill.admin.invariants import CHECKS, run_checks
 
 NAMES = tuple(c.name for c in CHECKS)
 

@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
-from refill.admin.checks import CHECKS, Violation, run_checks
+from refill.admin.invariant_types import Violation
+from refill.admin.invariants import CHECKS, run_checks
 from refill.admin.snapshot import read_snapshot
 from refill.models.db import Ledger
 from refill.models.results import Outcome
