@@ -86,7 +86,7 @@ def config_check(
     Exit 0 when it can run (warnings go to stderr), 1 listing every problem as
     `key.path: message. Fix: ...`, 2 when the file is missing or is not YAML.
     """
-    from refill.models.config import (
+    from refill.config import (
         BROKER_URL_ENV,
         DATABASE_URL_ENV,
         ConfigError,

@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from refill.models.config import redact_url
+from refill.config import redact_url
 
 __all__ = [
     "EXIT_BAD_INPUT",

@@ -264,7 +264,7 @@ def _counts(counts: dict[str, int]) -> str:
 
 
 def _redacted_config(config: dict[str, Any]) -> dict[str, Any]:
-    from refill.models.config import redact_url
+    from refill.config import redact_url
 
     infra = dict(config.get("infra") or {})
     for key in ("database_url", "broker_url"):

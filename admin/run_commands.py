@@ -39,7 +39,7 @@ Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No live display; a l
 
 
 def _load(path: Path) -> Any:
-    from refill.models.config import ConfigError, ConfigFileError, load_config
+    from refill.config import ConfigError, ConfigFileError, load_config
 
     try:
         config = load_config(path, check_runtime=True)
@@ -139,7 +139,7 @@ def demo(quiet: Quiet = False) -> None:
 
 
 def drive_new_run(config: Any, *, detach: bool, quiet: bool) -> None:
-    from refill.models.config import is_embedded, resolved_urls
+    from refill.config import is_embedded, resolved_urls
     from refill.models.db import Ledger
 
     db_url, broker_url = resolved_urls(config)

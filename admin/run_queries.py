@@ -69,7 +69,7 @@ def list_runs(session: Session, *, status: str | None = None, limit: int | None 
 
 def run_detail(session: Session, run_id: int) -> dict[str, Any]:
     """Everything about one run that fits on a screen: identity, knobs, position, counts."""
-    from refill.models.config import redact_url
+    from refill.config import redact_url
     from refill.models.settings import LedgerSettings
 
     run = get_run(session, run_id)

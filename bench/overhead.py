@@ -119,7 +119,7 @@ def one_step(
     from refill.models import metrics as metrics_module
     from refill.models import slots as slots_module
     from refill.models.admission import admit_steps
-    from refill.models.config import config_from_dict
+    from refill.config import config_from_dict
     from refill.models.dataset import load_dataset
     from refill.models.db import Ledger
     from refill.models.leases import start_attempts

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from refill.models.config import RunConfig
+from refill.config import RunConfig
 from refill.models.dataset import data_source_fingerprint, load_dataset
 from refill.models.db import Ledger
 from refill.models.migrate import upgrade

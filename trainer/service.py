@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from refill.models.config import RunConfig
+from refill.config import RunConfig
 from refill.models.context import utcnow
 from refill.models.db import Ledger
 from refill.models.payload import TrainGroup

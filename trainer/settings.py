@@ -1,6 +1,6 @@
 """The knobs the torch side reads from the run config, with their defaults.
 
-The run config is a pydantic model owned by `refill.models.config`; the trainer only needs a
+The run config is a pydantic model owned by `refill.config`; the trainer only needs a
 few of its fields. `read_settings` copies them, by the same dotted names, from any object that
 has them as attributes (the pydantic config, these dataclasses, a `SimpleNamespace` in a test),
 and falls back to the defaults below for a field the object does not have. The defaults here

@@ -3,7 +3,7 @@ threads on kombu's in-process transport and a SQLite ledger."""
 
 from __future__ import annotations
 
-from refill.models.config import config_from_dict
+from refill.config import config_from_dict
 from refill.tasks.controller import Controller
 from refill.tasks.embedded import embedded_fleet
 from refill.tasks.setup import create_run_from_config

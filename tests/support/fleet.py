@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 from refill.admin.progress_queries import run_progress
-from refill.models.config import config_from_dict
+from refill.config import config_from_dict
 from refill.models.db import Ledger
 from refill.tasks.app import make_app
 from refill.tasks.controller import Controller

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from refill.data import arith
-from refill.models.config import config_from_dict
+from refill.config import config_from_dict
 from refill.models.dataset import (
     MAX_LISTED_ROWS,
     DatasetError,

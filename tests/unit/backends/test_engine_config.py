@@ -1,10 +1,10 @@
-"""The back-ends read the real run config (refill.models.config), not only stand-ins."""
+"""The back-ends read the real run config (refill.config), not only stand-ins."""
 
 from __future__ import annotations
 
 import pytest
 
-from refill.models.config import RunConfig
+from refill.config import RunConfig
 from refill.tasks.backends import make_engine
 from refill.tasks.backends.base import cfg
 from refill.tasks.backends.engine_batching import BatchingEngine

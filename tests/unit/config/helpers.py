@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from refill.models.config import ConfigError, Problem, RunConfig, config_from_dict
+from refill.config import ConfigError, Problem, RunConfig, config_from_dict
 
 BASE: dict[str, Any] = {"data": {"builtin": "arith"}}
 

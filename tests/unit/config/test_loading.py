@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from refill.models.config import ConfigError, ConfigFileError, load_config
+from refill.config import ConfigError, ConfigFileError, load_config
 
 from .helpers import build, problem_at
 
@@ -127,7 +127,7 @@ def test_config_hash_is_stable_and_sensitive(tmp_path: Path) -> None:
 
 def test_snapshot_round_trips_through_run_config() -> None:
     # The ledger stores the snapshot; code that rebuilds a RunConfig from it must get the same run.
-    from refill.models.config import RunConfig
+    from refill.config import RunConfig
 
     cfg = build({"grpo": {"num_prompts_per_step": 5}, "optimizer": {"betas": [0.8, 0.95]}})
     again = RunConfig.model_validate(cfg.snapshot())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from refill.models.config import ConfigError, config_from_dict
+from refill.config import ConfigError, config_from_dict
 
 from .helpers import build, problem_at, problems
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from refill.models.config import ConfigError, load_config
+from refill.config import ConfigError, load_config
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 SHIPPED = ["arith-tiny.yaml", "sim-fleet.yaml", "qwen-math-vllm.yaml"]

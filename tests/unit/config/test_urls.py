@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from refill.models.config import is_embedded, redact_url, resolved_urls
+from refill.config import is_embedded, redact_url, resolved_urls
 
 from .helpers import build
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from refill.models.config import config_from_dict
+from refill.config import config_from_dict
 
 from .helpers import build, merged
 

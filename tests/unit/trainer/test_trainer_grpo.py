@@ -237,7 +237,7 @@ def test_lr_schedule_counts_optimizer_steps():
 
 
 def test_settings_come_from_the_run_config():
-    from refill.models.config import RunConfig
+    from refill.config import RunConfig
 
     config = RunConfig.model_validate(
         {
