@@ -13,7 +13,7 @@ import typer
 from rich.text import Text
 
 from refill.admin.console import EXIT_BAD_INPUT, EXIT_INVALID, fail, out_console, print_json
-from refill.admin.inspect_commands import AsJson, DatabaseUrl, RunId, ledger_for
+from refill.admin.inspect_common import AsJson, DatabaseUrl, RunId, ledger_for
 
 
 def check(

@@ -53,7 +53,7 @@ def _register() -> None:
     app.command("demo")(demo)
 
     # Inspecting the ledger (issue 5).
-    from refill.admin import check_command, inspect_commands, metrics_commands
+    from refill.admin import check_command, inspect_commands, metrics_commands, tail_command
 
     run_app.command("show")(inspect_commands.run_show)
     app.command("runs")(inspect_commands.runs)
@@ -62,7 +62,7 @@ def _register() -> None:
     app.command("slot")(inspect_commands.slot)
     app.command("budget")(inspect_commands.budget)
     app.command("workers")(inspect_commands.workers)
-    app.command("tail")(inspect_commands.tail)
+    app.command("tail")(tail_command.tail)
     app.command("metrics")(metrics_commands.metrics)
     app.command("plot")(metrics_commands.plot)
     app.command("check")(check_command.check)

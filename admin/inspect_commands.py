@@ -1,49 +1,34 @@
-"""`refill runs | run show | steps | slots | slot | budget | workers | tail`: read the ledger.
+"""`refill runs | run show | steps | slots | slot | budget | workers`: read the ledger.
 
 Every command takes `--database-url` (default REFILL_DATABASE_URL, else the embedded ledger),
 prints a rich table for people or, with `--json`, JSON for scripts, and reads one consistent
-snapshot of the ledger (`refill.models.queries.read_snapshot`). An unknown run, step or slot is
-one `error:` line and exit 2. The questions themselves live in `refill.models.queries`.
+snapshot of the ledger (`refill.admin.snapshot.read_snapshot`). An unknown run, step or slot is
+one `error:` line and exit 2. The questions themselves live in `refill.admin.*_queries`;
+`refill tail` is `refill.admin.tail_command`.
 """
 
 from __future__ import annotations
 
 import enum
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from datetime import UTC, datetime
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 import typer
-from rich.console import Console, RenderableType
-from rich.table import Table
-from rich.text import Text
 
-from refill.admin.console import (
-    EXIT_BAD_INPUT,
-    EXIT_INVALID,
-    err_console,
-    fail,
-    note,
-    out_console,
-    print_json,
-    print_yaml,
-    warn,
+from refill.admin.console import err_console, note, out_console, print_json, print_yaml, warn
+from refill.admin.inspect_common import (
+    AsJson,
+    DatabaseUrl,
+    RunId,
+    ago,
+    clock,
+    first_line,
+    jsonable,
+    num,
+    print_table,
+    read,
+    when,
 )
-
-T = TypeVar("T")
-
-DatabaseUrl = Annotated[
-    str | None,
-    typer.Option(
-        "--database-url",
-        help="Ledger URL (default: REFILL_DATABASE_URL, else sqlite:///runs/refill.db).",
-        show_default=False,
-    ),
-]
-AsJson = Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of a table.")]
-RunId = Annotated[int, typer.Argument(metavar="RUN", help="Run id (see `refill runs`).", show_default=False)]
 
 
 class RunStatusChoice(enum.StrEnum):
@@ -65,98 +50,6 @@ class SlotStatusChoice(enum.StrEnum):
     open = "open"
     committed = "committed"
     shrunk = "shrunk"
-
-
-# --- shared helpers -------------------------------------------------------------------------
-
-
-@contextmanager
-def ledger_for(database_url: str | None) -> Iterator[Any]:
-    """The ledger of `--database-url` (a one-line error and exit 2 when there is none),
-    disposed of afterwards so that a long-lived caller leaks no connections."""
-    from refill.admin.ledger_access import open_ledger
-
-    ledger = open_ledger(database_url)
-    try:
-        yield ledger
-    finally:
-        ledger.dispose()
-
-
-def read(database_url: str | None, question: Callable[[Any], T]) -> T:
-    """Answer `question(session)` on one snapshot; NotFound becomes `error: ...`, exit 2."""
-    from refill.admin.snapshot import read_snapshot
-
-    with ledger_for(database_url) as ledger, read_snapshot(ledger) as session:
-        try:
-            return question(session)
-        except LookupError as error:
-            fail(str(error.args[0] if error.args else error), EXIT_BAD_INPUT)
-
-
-def show(renderable: RenderableType) -> None:
-    """Print a table on stdout: at the terminal's width for people, at its natural width when
-    stdout is a pipe or a file (rich would otherwise cut every cell to fit 80 columns)."""
-    if out_console.is_terminal:
-        out_console.print(renderable)
-    else:
-        Console(soft_wrap=True, highlight=False, width=4096).print(renderable)
-
-
-def print_table(rows: list[Any], columns: list[str] | None = None, *, title: str | None = None) -> None:
-    """Rows (mappings, or sequences with `columns`) as a table; None prints as an empty cell,
-    numeric columns are right-aligned (as `refill.admin.console.print_table`)."""
-    if columns is None:
-        columns = list(rows[0].keys()) if rows else []
-    cells = [[row.get(c) for c in columns] if isinstance(row, dict) else list(row) for row in rows]
-    table = Table(title=title)
-    for i, column in enumerate(columns):
-        values = [r[i] for r in cells if r[i] is not None]
-        numeric = bool(values) and all(isinstance(v, int | float) and not isinstance(v, bool) for v in values)
-        table.add_column(column, justify="right" if numeric else "left")
-    for row in cells:
-        table.add_row(*(Text("" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)) for v in row))
-    show(table)
-
-
-def jsonable(value: Any) -> Any:
-    """Datetimes as ISO 8601 (UTC), containers recursively; everything else as it is."""
-    if isinstance(value, datetime):
-        return value.astimezone(UTC).isoformat()
-    if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [jsonable(v) for v in value]
-    return value
-
-
-def when(value: datetime | None) -> str | None:
-    """A timestamp for a table cell: UTC, to the second."""
-    return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S") if value is not None else None
-
-
-def clock(value: datetime | None) -> str | None:
-    return value.astimezone(UTC).strftime("%H:%M:%S") if value is not None else None
-
-
-def ago(value: datetime | None, now: datetime) -> str | None:
-    if value is None:
-        return None
-    seconds = (now - value).total_seconds()
-    if seconds < 0:
-        return f"in {-seconds:.0f}s"
-    return f"{seconds:.0f}s ago" if seconds < 120 else f"{seconds / 60:.0f}m ago"
-
-
-def num(value: float | None, digits: int = 3) -> str | None:
-    return None if value is None else f"{value:.{digits}f}"
-
-
-def first_line(text: str | None, width: int = 60) -> str | None:
-    if not text:
-        return None
-    line = text.strip().splitlines()[0] if text.strip() else ""
-    return line if len(line) <= width else line[: width - 1] + "…"
 
 
 # --- refill runs ----------------------------------------------------------------------------
@@ -578,106 +471,3 @@ def workers(
     expired = sum(r["expired_leases"] for r in rows)
     if expired:
         warn(f"{expired} leases expired without a heartbeat: those workers are stuck or gone (the reaper retries them)")
-
-
-# --- refill tail ----------------------------------------------------------------------------
-
-
-def tail(
-    run_id: RunId,
-    database_url: DatabaseUrl = None,
-    interval: Annotated[float, typer.Option(help="Seconds between reads of the ledger.", min=0.05)] = 1.0,
-    once: Annotated[bool, typer.Option("--once", help="Print the current progress and exit.")] = False,
-) -> None:
-    """Follow a run's progress until it ends (Ctrl-C stops following).
-
-    The steps filling now and the metrics of each trained step. On a terminal it is the live display of `refill run start`; otherwise one line per change.
-    Exit 0 when the run completes (or stops), 1 when it fails."""
-    from refill.admin.progress_queries import RunProgress, run_progress, step_metrics
-    from refill.admin.snapshot import read_snapshot
-
-    with ledger_for(database_url) as ledger:
-
-        def poll() -> tuple[RunProgress, list[dict[str, Any]]]:
-            with read_snapshot(ledger) as session:
-                try:
-                    return run_progress(session, run_id), step_metrics(session, run_id)
-                except LookupError as error:
-                    fail(str(error), EXIT_BAD_INPUT)
-
-        progress, history = poll()
-        if once:
-            _print_progress(progress, history)
-            return
-        printed: set[int] = set()
-        last_open = ""
-        try:
-            if err_console.is_terminal:
-                from refill.admin.progress import RunDisplay
-
-                with RunDisplay(err_console) as display:
-                    while True:
-                        display.update(progress, history)
-                        if _ended(progress):
-                            break
-                        time.sleep(interval)
-                        progress, history = poll()
-            else:
-                while True:
-                    for row in history:
-                        if row.get("reward") is not None and row["step"] not in printed:
-                            printed.add(row["step"])
-                            out_console.print(_step_line(row), markup=False)
-                    opened = ", ".join(f"step {s.step} {s.committed}/{s.target} {s.status}" for s in progress.open_steps)
-                    if opened != last_open and not _ended(progress):
-                        last_open = opened
-                        out_console.print(f"filling: {opened or '-'}", markup=False)
-                    if _ended(progress):
-                        break
-                    time.sleep(interval)
-                    progress, history = poll()
-        except KeyboardInterrupt:
-            note(f"stopped following run {run_id}; the run itself goes on (`refill tail {run_id}` to follow again)")
-            raise typer.Exit(130) from None
-    out_console.print(
-        f"run {run_id} {progress.status} ({progress.end_reason or '-'}): {progress.trained_steps} of "
-        f"{progress.max_num_steps} steps trained, weights v{progress.weight_version}",
-        markup=False,
-    )
-    if progress.status == "failed":
-        err_console.print(progress.error or "", markup=False)
-        raise typer.Exit(EXIT_INVALID)
-
-
-def _ended(progress: Any) -> bool:
-    from refill.admin.snapshot import FINISHED_RUN_STATES
-
-    return progress.status in FINISHED_RUN_STATES
-
-
-def _step_line(row: dict[str, Any]) -> str:
-    def f(key: str, digits: int = 3) -> str:
-        value = row.get(key)
-        return "-" if value is None else f"{value:.{digits}f}"
-
-    return (
-        f"step {row['step']}: reward {f('reward')} (unfiltered {f('unfiltered_reward')}, first-attempt "
-        f"{f('first_attempt_reward')}, zero-var {f('zero_variance_fraction', 2)}, filtered "
-        f"{row.get('filtered_groups')}, fill {f('step_fill_seconds', 2)}s)"
-    )
-
-
-def _print_progress(progress: Any, history: list[dict[str, Any]]) -> None:
-    from refill.admin.progress import metrics_table
-
-    out_console.print(
-        f"run {progress.run_id} ({progress.name}) {progress.status}: {progress.trained_steps} of "
-        f"{progress.max_num_steps} steps trained, weights v{progress.weight_version}, spare pool "
-        f"{progress.spare_pool}",
-        markup=False,
-    )
-    for s in progress.open_steps:
-        out_console.print(f"step {s.step}: {s.committed}/{s.target} {s.status}", markup=False)
-    trained = [r for r in history if r.get("reward") is not None]
-    if trained:
-        show(metrics_table(trained[-8:], title="last steps"))

@@ -19,7 +19,7 @@ from typing import Annotated, Any
 import typer
 
 from refill.admin.console import EXIT_BAD_INPUT, fail, note, out_console, print_json
-from refill.admin.inspect_commands import AsJson, DatabaseUrl, RunId, jsonable, read, show
+from refill.admin.inspect_common import AsJson, DatabaseUrl, RunId, jsonable, read, show
 
 #: The plot's panels: (y label, metric names). Each metric's legend label is its name.
 PANELS: list[tuple[str, list[str]]] = [
