@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from refill.data import arith
+from refill.model_loading import load_model, load_tokenizer, model_directory
 from refill.trainer.settings import TrainerConfig, read_settings
-from refill.trainer.tiny import load_model, load_tokenizer, model_directory
 from refill.trainer.weights import (
     atomic_directory,
     copy_tree_atomic,

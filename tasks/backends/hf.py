@@ -125,7 +125,7 @@ class HFEngine:
     def from_config(cls, config: Any) -> HFEngine:
         # The trainer's loaders, so that engine and trainer read a model directory the same way
         # (a config-only directory such as builtin:tiny-arith gets the same seeded init).
-        from refill.trainer.tiny import load_model, load_tokenizer, model_directory
+        from refill.model_loading import load_model, load_tokenizer, model_directory
 
         source = model_directory(str(cfg(config, "model.name_or_path")))
         device = _device(str(cfg(config, "generation.hf.device", "auto")))

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
+from refill.model_loading import load_model, load_tokenizer, model_directory
 from refill.trainer import warmstart
-from refill.trainer.tiny import load_model, load_tokenizer, model_directory
 from refill.trainer.warmstart import _examples, cache_key, prepare_initial_weights
 from refill.trainer.weights import weights_dir
 

@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
+from refill.model_loading import load_model, model_directory
 from refill.trainer.grpo import GRPOTrainer
-from refill.trainer.tiny import load_model, model_directory
 from refill.trainer.weights import (
     atomic_directory,
     has_weights,
