@@ -25,20 +25,20 @@ from typing import Any
 
 import torch
 
-from refill.model_loading import load_model, load_tokenizer, model_directory
+from refill.model_loading import (
+    has_weights,
+    load_model,
+    load_tokenizer,
+    load_weights_into,
+    model_directory,
+)
 from refill.models.payload import TrainGroup
 from refill.trainer import checkpoints
 from refill.trainer.advantages import group_advantages, shape_rewards
 from refill.trainer.loss import dapo_loss
 from refill.trainer.sequence_batches import TrainSequence, collate, pack, score
 from refill.trainer.settings import TrainerConfig, read_settings
-from refill.trainer.weights import (
-    atomic_directory,
-    has_weights,
-    load_weights_into,
-    save_model_dir,
-    weights_dir,
-)
+from refill.trainer.weights import atomic_directory, save_model_dir, weights_dir
 
 
 def lr_multiplier(step: int, settings: TrainerConfig) -> float:

@@ -22,15 +22,9 @@ from typing import Any
 import torch
 
 from refill.data import arith
-from refill.model_loading import load_model, load_tokenizer, model_directory
+from refill.model_loading import has_weights, load_model, load_tokenizer, model_directory
 from refill.trainer.settings import TrainerConfig, read_settings
-from refill.trainer.weights import (
-    atomic_directory,
-    copy_tree_atomic,
-    has_weights,
-    save_model_dir,
-    weights_dir,
-)
+from refill.trainer.weights import atomic_directory, copy_tree_atomic, save_model_dir, weights_dir
 
 #: Bump when the warm-start procedure changes, so old cache entries stop matching.
 PROCEDURE_VERSION = 1

@@ -1,12 +1,13 @@
-"""Where weight versions live on disk, how they are written atomically, and how they are loaded.
+"""Where weight versions live on disk and how they are written atomically.
 
 Version `v` of a run is the directory `{run_dir}/weights/v{v:06d}/`, a Hugging Face model
 directory (`config.json`, `model.safetensors` or its shards, tokenizer files). It is built
 under a dot-prefixed temporary name beside it and renamed into place in one step, so a
 reader that lists `v??????` directories sees a version whole or not at all.
 
-The path helpers import nothing heavy, so the controller and the ledger side can use them;
-torch and safetensors are imported only by the functions that move tensors.
+The path helpers import nothing heavy, so the controller and the ledger side can use them.
+Reading a version back (`has_weights`, `load_weights_into`) is `refill.model_loading`'s job,
+shared with the generation back-ends, which must not need the trainer's package.
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from refill.model_loading import quiet_transformers
+
 WEIGHTS = "weights"
 CHECKPOINTS = "checkpoints"
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
-#: The file every published version has; its absence means "not a model directory".
-CONFIG_FILE = "config.json"
 
 
 def version_name(version: int) -> str:
@@ -131,91 +132,9 @@ def copy_tree_atomic(source: Path, final: Path) -> Path:
     return final
 
 
-@contextlib.contextmanager
-def quiet_transformers() -> Iterator[None]:
-    """Silence transformers' per-call progress bars ("Loading weights", "Writing model
-    shards"): a trainer publishes every step, and a bar per publish would bury the demo's own
-    progress display."""
-    from transformers.utils import logging as hf_logging
-
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
-
-
 def save_model_dir(model: Any, tokenizer: Any, target: Path) -> None:
     """Write `model` and `tokenizer` as a Hugging Face model directory into `target`."""
     with quiet_transformers():
         model.save_pretrained(str(target), safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(target))
-
-
-def _weight_files(path: Path) -> list[Path]:
-    single = path / "model.safetensors"
-    if single.is_file():
-        return [single]
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        import json
-
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [path / shard for shard in shards]
-    return []
-
-
-def has_weights(path: str | os.PathLike[str]) -> bool:
-    """Whether `path` is a model directory with safetensors weights (not only a config)."""
-    return bool(_weight_files(Path(path)))
-
-
-def load_weights_into(model: Any, path: str | os.PathLike[str]) -> None:
-    """Load the safetensors weights of the model directory `path` into `model`, in place.
-
-    Every parameter and buffer of `model` must be covered, except the names that share their
-    tensor with a loaded one (tied embeddings are saved once). Values are copied into the
-    existing tensors, converting dtype, so an engine keeps its device placement and any
-    references to its parameters.
-    """
-    import torch
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    files = _weight_files(path)
-    if not files:
-        raise FileNotFoundError(
-            f"{path} holds no model.safetensors (nor a shard index): it is not a published "
-            "weight version; use weights_dir(run_dir, version) of a version that "
-            "published_versions(run_dir) lists"
-        )
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
-        state.update(load_file(str(file)))
-    own = model.state_dict()
-    unexpected = sorted(set(state) - set(own))
-    if unexpected:
-        raise ValueError(
-            f"{path} has tensors the model does not: {unexpected[:5]}"
-            f"{' …' if len(unexpected) > 5 else ''}; is it a version of another architecture?"
-        )
-    loaded_storage = {own[name].data_ptr() for name in state}
-    missing = [
-        name for name in own if name not in state and own[name].data_ptr() not in loaded_storage
-    ]
-    if missing:
-        raise ValueError(
-            f"{path} lacks tensors the model needs: {missing[:5]}{' …' if len(missing) > 5 else ''}"
-        )
-    with torch.no_grad():
-        for name, tensor in state.items():
-            target = own[name]
-            if target.shape != tensor.shape:
-                raise ValueError(
-                    f"{path}: {name} has shape {tuple(tensor.shape)}, the model "
-                    f"{tuple(target.shape)}"
-                )
-            target.copy_(tensor.to(device=target.device, dtype=target.dtype))

@@ -21,10 +21,10 @@ Completions stop at the first end-of-sequence token, which is kept (with its log
 model learns to stop) and ends the completion with ``finish_reason="stop"``; otherwise it ends
 at ``max_new_tokens`` with ``"length"``. Padding never appears in a completion.
 
-Weights: the model is loaded by the trainer's own loaders (``refill.trainer.tiny``), so a
-config-only directory (``builtin:tiny-arith``) gets the same seeded init as in the trainer, and
-``load_weights(version, path)`` copies a published version into the existing model with
-``refill.trainer.weights.load_weights_into`` (same tensors, same device, no reallocation).
+Weights: the model is loaded by the loaders the trainer uses too (``refill.model_loading``),
+so a config-only directory (``builtin:tiny-arith``) gets the same seeded init as in the trainer,
+and ``load_weights(version, path)`` copies a published version into the existing model with
+``refill.model_loading.load_weights_into`` (same tensors, same device, no reallocation).
 
 Knobs: ``model.name_or_path`` (``builtin:NAME`` or a local directory; never downloaded),
 ``model.dtype`` [float32], ``model.warm_start.seed`` [0] (the init of a config-only model),
@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from refill.model_loading import load_model, load_tokenizer, load_weights_into, model_directory
 from refill.models.payload import Completion
 from refill.tasks.backends.base import (
     GenerationOutput,
@@ -123,10 +124,9 @@ class HFEngine:
 
     @classmethod
     def from_config(cls, config: Any) -> HFEngine:
-        # The trainer's loaders, so that engine and trainer read a model directory the same way
-        # (a config-only directory such as builtin:tiny-arith gets the same seeded init).
-        from refill.model_loading import load_model, load_tokenizer, model_directory
-
+        # The loaders the trainer uses too, so that engine and trainer read a model directory
+        # the same way (a config-only directory such as builtin:tiny-arith gets the same seeded
+        # init).
         source = model_directory(str(cfg(config, "model.name_or_path")))
         device = _device(str(cfg(config, "generation.hf.device", "auto")))
         model = load_model(
@@ -262,8 +262,6 @@ class HFEngine:
     def load_weights(self, version: int, path: str | None) -> None:
         """Load a published weight directory into the model in place (``None``: keep weights)."""
         if path is not None:
-            from refill.trainer.weights import load_weights_into
-
             load_weights_into(self.model, path)
             self.model.eval()
         self.weight_version = version

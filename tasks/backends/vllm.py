@@ -58,6 +58,7 @@ from collections.abc import Callable
 from typing import Any
 
 from refill.assets import resolve_model_path
+from refill.model_loading import has_weights
 from refill.models.payload import Completion
 from refill.tasks.backends.base import (
     EngineError,
@@ -120,8 +121,6 @@ class VLLMEngine:
     @classmethod
     def engine_args(cls, config: Any) -> dict[str, Any]:
         """Keyword arguments of ``vllm.LLM`` for a run config."""
-        from refill.trainer.weights import has_weights
-
         path = resolve_model_path(str(cfg(config, "model.name_or_path")))
         args: dict[str, Any] = {
             "model": path,

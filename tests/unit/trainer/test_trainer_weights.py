@@ -7,16 +7,9 @@ import os
 import pytest
 import torch
 
-from refill.model_loading import load_model, model_directory
+from refill.model_loading import has_weights, load_model, load_weights_into, model_directory
 from refill.trainer.grpo import GRPOTrainer
-from refill.trainer.weights import (
-    atomic_directory,
-    has_weights,
-    latest_version,
-    load_weights_into,
-    published_versions,
-    weights_dir,
-)
+from refill.trainer.weights import atomic_directory, latest_version, published_versions, weights_dir
 
 from .conftest import make_groups
 
