@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session
 from refill.models import decisions
 from refill.models.context import RunContext
 from refill.models.dataloader import add_to_pool, draw, refill_spare_pool
+from refill.models.overdispatch import top_up
 from refill.models.slots import attempt_values, generate_outbox_values
 from refill.models.tables import Attempt, AttemptReason, Outbox, Slot, SlotStatus, Step, StepStatus
 
@@ -54,8 +55,6 @@ def admit(ctx: RunContext) -> list[int]:
         run.next_step += 1
     refill_spare_pool(ctx)
     if steps:
-        from refill.models.overdispatch import top_up
-
         top_up(ctx)
     return steps
 

@@ -14,9 +14,10 @@ from datetime import datetime, timedelta
 from sqlalchemy import case, select, update
 from sqlalchemy.orm import Session
 
+from refill.models.barrier import queue_training
 from refill.models.context import RunContext, utcnow
 from refill.models.settings import settings_for
-from refill.models.slots import RunFailed, infra_failure, lost_in_queue, queue_training
+from refill.models.slots import RunFailed, infra_failure, lost_in_queue
 from refill.models.tables import (
     Attempt,
     AttemptState,

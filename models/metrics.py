@@ -13,7 +13,6 @@ from sqlalchemy import func, select
 
 from refill.models import decisions
 from refill.models.context import RunContext
-from refill.models.slots import measured_zero_variance
 from refill.models.tables import (
     Attempt,
     AttemptReason,
@@ -29,6 +28,13 @@ REPLACEMENT_REASONS = (
     AttemptReason.DROP_REPLACEMENT.value,
     AttemptReason.RESPAWN.value,
 )
+
+
+def zero_variance_from_counters(ctx: RunContext) -> tuple[int, int]:
+    """(zero-variance groups, scored groups) over the whole run so far, this transaction's
+    included, read from the run's counters (`results._apply` keeps them) rather than counted
+    over its attempts: the over-dispatch and the budget decisions read it on every batch."""
+    return int(ctx.run.zero_variance_groups or 0), int(ctx.run.scored_groups or 0)
 
 
 def record_release_metrics(ctx: RunContext, step: Step) -> StepMetrics:
@@ -79,7 +85,7 @@ def record_release_metrics(ctx: RunContext, step: Step) -> StepMetrics:
         )
     ).one()
     staleness = [s - v for _, v in trained]
-    zero_run, total_run = measured_zero_variance(ctx)
+    zero_run, total_run = zero_variance_from_counters(ctx)
     p = zero_run / total_run if total_run else None
     settings = ctx.settings
     metrics = session.get(StepMetrics, (run_id, s)) or StepMetrics(run_id=run_id, step=s)

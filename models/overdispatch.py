@@ -41,8 +41,9 @@ from sqlalchemy.orm.util import identity_key
 from refill.models import decisions
 from refill.models.context import RunContext, literal_in
 from refill.models.dataloader import mark_taken, take_spare
+from refill.models.metrics import zero_variance_from_counters
 from refill.models.samplers import SlotView
-from refill.models.slots import LIVE, dispatch, fill, measured_zero_variance, release_to_extra
+from refill.models.slots import LIVE, dispatch, fill, place, placement_candidates, release_to_extra
 from refill.models.tables import (
     Attempt,
     AttemptReason,
@@ -59,7 +60,7 @@ _UNSTARTED = (AttemptState.PENDING.value, AttemptState.QUEUED.value)
 
 
 def zero_variance_estimate(ctx: RunContext) -> decisions.ZeroVarianceEstimate:
-    zero, total = measured_zero_variance(ctx)
+    zero, total = zero_variance_from_counters(ctx)
     return decisions.ZeroVarianceEstimate(zero, total)
 
 
@@ -201,6 +202,13 @@ def displaceable(ctx: RunContext, candidates: Sequence[SlotView]) -> list[SlotVi
                 continue
         blocked.add(key)
     return [v for v in candidates if (v.step, v.idx) not in blocked]
+
+
+def place_extra(ctx: RunContext, group: Group) -> Slot | None:
+    """Place a group that serves no slot of its own (an extra's): in any open slot it may
+    fill, but not one whose attempt would most likely come back too late to be trained
+    (`displaceable`); None when it is parked."""
+    return place(ctx, group, None, displaceable(ctx, placement_candidates(ctx, group, None)))
 
 
 def _running_with_old_weights(ctx: RunContext) -> dict[tuple[int, int], int]:

@@ -19,23 +19,23 @@ from sqlalchemy.orm import Session
 from refill.models import decisions, rollout_codec
 from refill.models.context import RunContext, literal_in, slot_keys_in, utcnow
 from refill.models.db import UnknownRun
-from refill.models.overdispatch import top_up
+from refill.models.metrics import zero_variance_from_counters
+from refill.models.overdispatch import place_extra, top_up
 from refill.models.payload import ResultMessage
 from refill.models.slots import (
     LIVE,
     RunFailed,
     aimed_slot,
     data_failure,
-    dispatch,
+    dispatch_retry,
     fail_run,
     infra_failure,
-    measured_zero_variance,
     place,
+    placement_candidates,
     replace,
 )
 from refill.models.tables import (
     Attempt,
-    AttemptReason,
     AttemptState,
     FailureKind,
     Group,
@@ -253,7 +253,7 @@ def _filter(ctx: RunContext, attempt: Attempt) -> None:
     slot.filtered += 1
     budget = ctx.settings.filter_budget
     if slot.filter_replacements >= budget:
-        zero, total = measured_zero_variance(ctx)
+        zero, total = zero_variance_from_counters(ctx)
         fail_run(
             ctx,
             decisions.budget_exhausted_message(
@@ -285,15 +285,7 @@ def _commit(ctx: RunContext, attempt: Attempt, result: ResultMessage, rollout: r
         attempt.state = AttemptState.FAILED.value
         attempt.failure_kind = FailureKind.STALE.value
         attempt.error = f"weights v{version} too stale for step {own.step}"
-        dispatch(
-            ctx,
-            step=own.step,
-            slot=own,
-            prompt_id=attempt.prompt_id,
-            reason=AttemptReason.RETRY,
-            try_no=attempt.try_no,
-            origin=(attempt.origin_step, attempt.origin_slot),
-        )
+        dispatch_retry(ctx, attempt, own, spend_try=False)
         return
     attempt.state = AttemptState.COMMITTED.value
     group = Group(
@@ -314,27 +306,20 @@ def _commit(ctx: RunContext, attempt: Attempt, result: ResultMessage, rollout: r
     )
     ctx.session.add(group)
     ctx.new_groups[group.attempt_id] = group
-    if place(ctx, group, own) is None and own is not None:
+    if own is None:
+        place_extra(ctx, group)
+        return
+    if place(ctx, group, own, placement_candidates(ctx, group, own)) is None:
         # The sampler parked the group rather than train it in its own slot (windowed: too
         # stale for the window). The slot must not be left without a live attempt: generate
         # its prompt again, with weights newer than the declined group's (at most the step's
         # own version, which the trainer reaches without this slot).
-        retry = dispatch(
-            ctx,
-            step=own.step,
-            slot=own,
-            prompt_id=attempt.prompt_id,
-            reason=AttemptReason.RETRY,
-            try_no=attempt.try_no,
-            origin=(attempt.origin_step, attempt.origin_slot),
-        )
+        retry = dispatch_retry(ctx, attempt, own, spend_try=False)
         retry.min_weight_version = max(retry.min_weight_version, min(version + 1, own.step))
 
 
 def committed_slot_of(session: Session, run_id: int, attempt_id: int) -> tuple[int, int] | None:
     """Where a committed group sits now (used by tests and the CLI)."""
-    from refill.models.tables import Slot
-
     row = session.execute(
         select(Slot.step, Slot.idx).where(
             Slot.run_id == run_id,

@@ -10,9 +10,10 @@ from typing import Any
 from sqlalchemy import exists, func, insert, select
 from sqlalchemy.orm import Session
 
+from refill.models.barrier import queue_training
 from refill.models.context import RunContext, utcnow
 from refill.models.settings import LedgerSettings
-from refill.models.slots import LIVE, cancel_live_attempts, dispatch, queue_training
+from refill.models.slots import LIVE, cancel_live_attempts, dispatch
 from refill.models.tables import (
     Attempt,
     AttemptReason,

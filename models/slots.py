@@ -1,4 +1,5 @@
-"""The life of a slot: dispatch, commit, borrow, replace, drop, shrink, release.
+"""The life of a slot: dispatch, commit, borrow, replace, drop, shrink; each slot settled
+asks the barrier (`barrier.maybe_release`) whether its step is full.
 
 Invariant kept by every function here: an open slot has exactly one live attempt (pending,
 queued or running) aimed at it, and a settled (committed or shrunk) slot has none. Over-
@@ -12,10 +13,11 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import case, exists, select, update
+from sqlalchemy import case, select, update
 from sqlalchemy.orm.util import identity_key
 
 from refill.models import decisions
+from refill.models.barrier import maybe_release
 from refill.models.context import LENDER_CHOICES, PLACEMENT_CHOICES, RunContext
 from refill.models.dataloader import mark_taken, take_spare
 from refill.models.samplers import GroupView, SlotView
@@ -31,8 +33,6 @@ from refill.models.tables import (
     ShrinkReason,
     Slot,
     SlotStatus,
-    Step,
-    StepStatus,
 )
 
 LIVE = tuple(s.value for s in AttemptState.live())
@@ -132,6 +132,27 @@ def dispatch_spare(ctx: RunContext, slot: Slot, reason: AttemptReason) -> bool:
     return True
 
 
+def dispatch_retry(
+    ctx: RunContext, attempt: Attempt, slot: Slot, *, spend_try: bool, delay_seconds: float = 0.0
+) -> Attempt:
+    """Dispatch `attempt`'s prompt again for `slot`, as a retry of the same origin.
+
+    `spend_try` counts it against `rollout_failure.max_attempts_per_prompt`: only a failure
+    that says something about the prompt should (an engine error does; a lost message or a
+    group the ledger itself declined does not).
+    """
+    return dispatch(
+        ctx,
+        step=slot.step,
+        slot=slot,
+        prompt_id=attempt.prompt_id,
+        reason=AttemptReason.RETRY,
+        try_no=attempt.try_no + 1 if spend_try else attempt.try_no,
+        delay_seconds=delay_seconds,
+        origin=(attempt.origin_step, attempt.origin_slot),
+    )
+
+
 # --- settle ------------------------------------------------------------------------------
 
 
@@ -176,41 +197,6 @@ def shrink(ctx: RunContext, slot: Slot, reason: ShrinkReason) -> None:
                 "short_step",
             )
     maybe_release(ctx, step)
-
-
-def maybe_release(ctx: RunContext, step: Step) -> bool:
-    """The barrier: release a full step exactly once and queue its training.
-
-    Exactly once because every writer of the run's slots holds the run's row lock (see
-    `RunContext.open`), and the step leaves 'open' here and nowhere else; the database's
-    CHECK that a step out of 'open' is full catches any path that would break that.
-    """
-    if step.status != StepStatus.OPEN.value or not decisions.step_is_full(
-        step.committed, step.num_slots, step.shrunk
-    ):
-        return False
-    step.status = StepStatus.RELEASED.value
-    step.released_at = ctx.now
-    from refill.models.metrics import record_release_metrics
-
-    record_release_metrics(ctx, step)
-    if ctx.run.weight_version == step.step:
-        queue_training(ctx, step.step)
-    return True
-
-
-def queue_training(ctx: RunContext, step: int, delay_seconds: float = 0.0) -> None:
-    row = Outbox(
-        **ctx.ids.ids("outbox"),
-        run_id=ctx.run.id,
-        kind=OutboxKind.TRAIN_STEP.value,
-        step=step,
-        payload={"run_id": ctx.run.id, "step": step},
-        created_at=ctx.now,
-        available_at=ctx.later(delay_seconds),
-    )
-    ctx.session.add(row)
-    ctx.outbox.append(row)
 
 
 # --- replacement (SPEC §3.4) -------------------------------------------------------------
@@ -394,34 +380,12 @@ def reaim(ctx: RunContext, source: Slot, target: Slot) -> bool:
     return True
 
 
-def has_live_attempt(ctx: RunContext, slot: Slot) -> bool:
-    if (slot.step, slot.idx) in ctx.new_live:
-        return True
-    ctx.session.flush()
-    return bool(
-        ctx.session.scalar(
-            select(
-                exists().where(
-                    Attempt.run_id == ctx.run.id,
-                    Attempt.step == slot.step,
-                    Attempt.slot_idx == slot.idx,
-                    Attempt.state.in_(LIVE),
-                )
-            )
-        )
-    )
-
-
-def place(ctx: RunContext, group: Group, own: Slot | None) -> Slot | None:
-    """Put a newly committed group where the sampler wants it; None when it is parked."""
+def place(ctx: RunContext, group: Group, own: Slot | None, candidates: Sequence[SlotView]) -> Slot | None:
+    """Put a newly committed group where the sampler wants it among `candidates` (from
+    `placement_candidates`; an extra's, `own` None, narrowed by `overdispatch.place_extra`);
+    None when it is parked."""
     view = GroupView(group.attempt_id, group.weight_version, None, None)
     own_view = SlotView(own.step, own.idx, own.needs_replacement) if own is not None else None
-    candidates: Sequence[SlotView] = placement_candidates(ctx, group, own)
-    if own is None:
-        # Not a slot whose attempt would most likely come back too late to be trained.
-        from refill.models.overdispatch import displaceable  # it imports this module
-
-        candidates = displaceable(ctx, candidates)
     for _ in range(8):
         choice = ctx.sampler.place(view, own_view, candidates)
         if choice is None:
@@ -478,17 +442,14 @@ def infra_failure(ctx: RunContext, attempt: Attempt, error: str) -> None:
     slot.infra_failures += 1
     settings = ctx.settings
     if decisions.should_retry(attempt.try_no, settings.max_attempts_per_prompt):
-        dispatch(
+        dispatch_retry(
             ctx,
-            step=slot.step,
-            slot=slot,
-            prompt_id=attempt.prompt_id,
-            reason=AttemptReason.RETRY,
-            try_no=attempt.try_no + 1,
+            attempt,
+            slot,
+            spend_try=True,
             delay_seconds=decisions.retry_backoff(
                 attempt.try_no, settings.retry_backoff_seconds, settings.retry_backoff_max_seconds
             ),
-            origin=(attempt.origin_step, attempt.origin_slot),
         )
         return
     drop(ctx, slot, infra=True, last_error=error)
@@ -505,15 +466,7 @@ def lost_in_queue(ctx: RunContext, attempt: Attempt, error: str) -> None:
     slot = aimed_slot(ctx, attempt)
     if slot is None:
         return  # an extra: over-dispatch sends another if the step still needs it
-    dispatch(
-        ctx,
-        step=slot.step,
-        slot=slot,
-        prompt_id=attempt.prompt_id,
-        reason=AttemptReason.RETRY,
-        try_no=attempt.try_no,
-        origin=(attempt.origin_step, attempt.origin_slot),
-    )
+    dispatch_retry(ctx, attempt, slot, spend_try=False)
 
 
 def data_failure(ctx: RunContext, attempt: Attempt, error: str) -> None:
@@ -612,9 +565,3 @@ def recent_errors(ctx: RunContext, step: int, limit: int = 3) -> list[str]:
         .limit(limit)
     ).all()
     return [f"attempt {a}: {(e or '').splitlines()[0][:200]}" for a, e in rows]
-
-
-def measured_zero_variance(ctx: RunContext) -> tuple[int, int]:
-    """(zero-variance groups, scored groups) over the whole run so far, this transaction's
-    included: the run's counters (results._apply keeps them)."""
-    return int(ctx.run.zero_variance_groups or 0), int(ctx.run.scored_groups or 0)

@@ -17,11 +17,12 @@ from sqlalchemy.orm import Session
 
 from refill.models import decisions, rollout_codec
 from refill.models.admission import admit
+from refill.models.barrier import queue_training
 from refill.models.context import RunContext
 from refill.models.metrics import seconds_between
 from refill.models.payload import TrainGroup
 from refill.models.runs import check_completion
-from refill.models.slots import RunFailed, fail_run, queue_training
+from refill.models.slots import RunFailed, fail_run
 from refill.models.tables import (
     Group,
     Slot,
