@@ -127,12 +127,27 @@ def safe_budget(p: float, num_prompts_per_step: int, max_num_steps: int, risk: f
 
 
 def budget_exhausted_message(
-    *, step: int, slot: int, budget: int, p: float, num_prompts_per_step: int, max_num_steps: int
+    *,
+    step: int,
+    slot: int,
+    budget: int,
+    p: float,
+    num_prompts_per_step: int,
+    max_num_steps: int,
+    config_budget: int | None = None,
 ) -> str:
+    """`budget` is the slot's stored one; `config_budget`, the run's config's when the slot's
+    was changed in the ledger, so that the message names the budget that decided."""
     expected = expected_exhausted_slots(p, budget, num_prompts_per_step, max_num_steps)
+    past = f"grpo.dynamic_sampling_max_replacements_per_slot={budget}"
+    if config_budget is not None and config_budget != budget:
+        past = (
+            f"its stored budget of {budget} (the run's config says "
+            f"grpo.dynamic_sampling_max_replacements_per_slot={config_budget})"
+        )
     return (
         f"slot (step {step}, index {slot}) drew {budget + 1} zero-variance groups in a row, past "
-        f"grpo.dynamic_sampling_max_replacements_per_slot={budget}. The measured zero-variance "
+        f"{past}. The measured zero-variance "
         f"fraction is p={p:.3f}; at that rate a run of {max_num_steps} steps x "
         f"{num_prompts_per_step} slots expects p**(budget+1) * num_prompts_per_step * "
         f"max_num_steps = {expected:.3g} exhausted slots. Raise the budget so that this "
@@ -159,8 +174,10 @@ def retry_backoff(try_no: int, base_seconds: float, max_seconds: float) -> float
     return min(base_seconds * 2 ** (try_no - 1), max_seconds)
 
 
-def after_drop(on_dropped_prompt: str, drop_replacements: int, max_replacement_attempts: int) -> AfterDrop:
-    if on_dropped_prompt == "replace" and drop_replacements < max_replacement_attempts:
+def after_drop(on_dropped_prompt: str, drop_replacements: int, drop_budget: int) -> AfterDrop:
+    """Replace a dropped prompt while the slot's stored drop budget lasts (its
+    `rollout_failure.max_replacement_attempts` under `replace`), else shrink the slot."""
+    if on_dropped_prompt == "replace" and drop_replacements < drop_budget:
         return AfterDrop.REPLACE
     return AfterDrop.SHRINK
 

@@ -251,7 +251,8 @@ def _filter(ctx: RunContext, attempt: Attempt) -> None:
     if slot is None:
         return
     slot.filtered += 1
-    budget = ctx.settings.filter_budget
+    # The slot's stored budget, not the config's: a run's budgets are what its slots say.
+    budget = slot.filter_budget
     if slot.filter_replacements >= budget:
         zero, total = zero_variance_from_counters(ctx)
         fail_run(
@@ -263,6 +264,7 @@ def _filter(ctx: RunContext, attempt: Attempt) -> None:
                 p=zero / total if total else 1.0,
                 num_prompts_per_step=ctx.settings.num_prompts_per_step,
                 max_num_steps=ctx.settings.max_num_steps,
+                config_budget=ctx.settings.filter_budget,
             ),
             "budget_exhausted",
         )

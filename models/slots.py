@@ -496,9 +496,8 @@ def drop(ctx: RunContext, slot: Slot, *, infra: bool, last_error: str | None) ->
                 ),
                 "fleet_failed",
             )
-    choice = decisions.after_drop(
-        settings.on_dropped_prompt, slot.drop_replacements, settings.max_replacement_attempts
-    )
+    # The slot's stored budget, not the config's: a run's budgets are what its slots say.
+    choice = decisions.after_drop(settings.on_dropped_prompt, slot.drop_replacements, slot.drop_budget)
     if choice is decisions.AfterDrop.REPLACE:
         replace(ctx, slot, after_filter=False)
     else:

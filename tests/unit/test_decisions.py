@@ -253,6 +253,21 @@ def test_budget_message_names_slot_budget_p_and_expected_exhaustions() -> None:
     assert "10 steps x 4 slots" in message
 
 
+def test_budget_message_names_a_stored_budget_that_differs_from_the_config() -> None:
+    message = d.budget_exhausted_message(
+        step=1, slot=0, budget=1, p=0.5, num_prompts_per_step=4, max_num_steps=10, config_budget=3
+    )
+    assert message.startswith(
+        "slot (step 1, index 0) drew 2 zero-variance groups in a row, past its stored budget of 1 "
+        "(the run's config says grpo.dynamic_sampling_max_replacements_per_slot=3). "
+    )
+    same = d.budget_exhausted_message(
+        step=1, slot=0, budget=3, p=0.5, num_prompts_per_step=4, max_num_steps=10, config_budget=3
+    )
+    assert same == d.budget_exhausted_message(step=1, slot=0, budget=3, p=0.5, num_prompts_per_step=4, max_num_steps=10)
+    assert "past grpo.dynamic_sampling_max_replacements_per_slot=3. " in same
+
+
 def test_budget_message_keeps_tiny_expectations_readable() -> None:
     message = d.budget_exhausted_message(step=0, slot=0, budget=32, p=0.1, num_prompts_per_step=4096, max_num_steps=1000)
     assert "= 4.1e-27 exhausted slots" in message
