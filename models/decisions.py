@@ -199,15 +199,20 @@ def short_step_message(
     step: int,
     num_prompts_per_step: int,
     dropped_shrunk: int,
+    dropped_prompts: int,
     min_step_batch_fraction: float,
     recent_errors: Sequence[str] = (),
 ) -> str:
+    """Why a step fell below its floor: `dropped_shrunk` slots were shrunk after dropping
+    `dropped_prompts` prompts between them (a slot drops its own prompt, then each
+    replacement, before it is shrunk)."""
     floor = min_step_groups(num_prompts_per_step, min_step_batch_fraction)
     lines = [
         f"step {step} can train at most {num_prompts_per_step - dropped_shrunk} of "
         f"{num_prompts_per_step} groups, below rollout_failure.min_step_batch_fraction="
-        f"{min_step_batch_fraction} ({floor} groups): {dropped_shrunk} prompts were dropped. "
-        "Likely causes:",
+        f"{min_step_batch_fraction} ({floor} groups): {_counted(dropped_shrunk, 'slot')} "
+        f"{_were(dropped_shrunk)} shrunk after {_counted(dropped_prompts, 'prompt')} "
+        f"{_were(dropped_prompts)} dropped. Likely causes:",
         "  1. a failing fleet: generation workers crash, time out or lose their leases "
         "(see `refill slots RUN --step S --status shrunk` and the attempts' errors);",
         "  2. drop budgets too large for the floor: rollout_failure.max_attempts_per_prompt / "
@@ -219,6 +224,15 @@ def short_step_message(
     if recent_errors:
         lines.append("Recent attempt errors: " + "; ".join(recent_errors))
     return "\n".join(lines)
+
+
+def _counted(n: int, noun: str) -> str:
+    """`n` and the noun in the number it takes: 1 slot, 2 slots."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _were(n: int) -> str:
+    return "was" if n == 1 else "were"
 
 
 def consecutive_drops_message(count: int, limit: int, last_error: str | None) -> str:

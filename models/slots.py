@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import case, select, update
+from sqlalchemy import case, func, select, update
 from sqlalchemy.orm.util import identity_key
 
 from refill.models import decisions
@@ -191,6 +191,7 @@ def shrink(ctx: RunContext, slot: Slot, reason: ShrinkReason) -> None:
                     step=step.step,
                     num_prompts_per_step=step.num_slots,
                     dropped_shrunk=step.dropped_shrunk,
+                    dropped_prompts=prompts_dropped_by_shrunk_slots(ctx, step.step),
                     min_step_batch_fraction=ctx.settings.min_step_batch_fraction,
                     recent_errors=recent_errors(ctx, step.step),
                 ),
@@ -549,6 +550,21 @@ def cancel_live_attempts(ctx: RunContext, why: str) -> int:
         if isinstance(obj, Attempt):
             ctx.session.expire(obj)
     return count
+
+
+def prompts_dropped_by_shrunk_slots(ctx: RunContext, step: int) -> int:
+    """The prompts dropped by the slots of `step` that were shrunk for dropping them: one slot
+    may drop several (its own, then each replacement) before it is shrunk."""
+    ctx.session.flush()
+    total = ctx.session.scalar(
+        select(func.coalesce(func.sum(Slot.drops), 0)).where(
+            Slot.run_id == ctx.run.id,
+            Slot.step == step,
+            Slot.status == SlotStatus.SHRUNK.value,
+            Slot.shrink_reason == ShrinkReason.DROPPED.value,
+        )
+    )
+    return int(total or 0)
 
 
 def recent_errors(ctx: RunContext, step: int, limit: int = 3) -> list[str]:

@@ -144,6 +144,7 @@ def test_step_floor_fails_the_run_with_the_three_causes(ledger) -> None:  # type
         step=0,
         num_prompts_per_step=4,
         dropped_shrunk=2,
+        dropped_prompts=2,
         min_step_batch_fraction=0.75,
         recent_errors=[f"attempt {second}: NCCL timeout", f"attempt {first_failed}: OOM on worker 3"],
     )
@@ -155,6 +156,25 @@ def test_step_floor_fails_the_run_with_the_three_causes(ledger) -> None:  # type
     assert d.live() == []
     step = d.step(0)
     assert (step.status, step.shrunk, step.dropped_shrunk) == ("open", 2, 2)
+
+
+def test_step_floor_counts_a_slot_apart_from_the_prompts_it_dropped(ledger) -> None:  # type: ignore[no-untyped-def]
+    # One slot drops its own prompt, then its one replacement, and is shrunk: 1 slot, 2 prompts.
+    d = Driver(ledger, {"rollout_failure": {"max_attempts_per_prompt": 1, "min_step_batch_fraction": 1.0}})
+    d.admit()
+    d.fail(d.live_of(0, 2).id, error="OOM on worker 3")
+    assert (d.live_of(0, 2).reason, d.run().status) == ("drop_replacement", "running")
+    outcome = d.fail(d.live_of(0, 2).id, error="OOM on worker 4")
+    run = d.run()
+    assert (run.status, run.end_reason) == ("failed", "short_step")
+    assert outcome.detail == (
+        "step 0 can train at most 3 of 4 groups, below rollout_failure.min_step_batch_fraction=1.0 "
+        "(4 groups): 1 slot was shrunk after 2 prompts were dropped. Likely causes:"
+    )
+    assert run.error.splitlines()[0] == outcome.detail
+    slot = d.slot(0, 2)
+    assert (slot.status, slot.shrink_reason, slot.drops) == ("shrunk", "dropped", 2)
+    assert (d.step(0).shrunk, d.step(0).dropped_shrunk) == (1, 1)
 
 
 def test_step_floor_of_nine_in_ten(ledger) -> None:  # type: ignore[no-untyped-def]

@@ -339,13 +339,13 @@ def test_step_too_short(n: int, dropped: int, fraction: float, expected: bool) -
 
 def test_short_step_message_lists_the_three_causes() -> None:
     message = d.short_step_message(
-        step=5, num_prompts_per_step=10, dropped_shrunk=2, min_step_batch_fraction=0.9,
+        step=5, num_prompts_per_step=10, dropped_shrunk=2, dropped_prompts=2, min_step_batch_fraction=0.9,
         recent_errors=["attempt 9: CUDA OOM", "attempt 8: lease expired"],
     )
     lines = message.splitlines()
     assert lines[0] == (
         "step 5 can train at most 8 of 10 groups, below rollout_failure.min_step_batch_fraction=0.9 "
-        "(9 groups): 2 prompts were dropped. Likely causes:"
+        "(9 groups): 2 slots were shrunk after 2 prompts were dropped. Likely causes:"
     )
     assert lines[1].startswith("  1. a failing fleet")
     assert lines[2].startswith("  2. drop budgets too large for the floor")
@@ -356,10 +356,31 @@ def test_short_step_message_lists_the_three_causes() -> None:
 
 
 def test_short_step_message_without_errors_has_no_error_line() -> None:
-    message = d.short_step_message(step=0, num_prompts_per_step=4, dropped_shrunk=3, min_step_batch_fraction=0.5)
+    message = d.short_step_message(
+        step=0, num_prompts_per_step=4, dropped_shrunk=3, dropped_prompts=3, min_step_batch_fraction=0.5
+    )
     assert len(message.splitlines()) == 4
     assert "Recent attempt errors" not in message
     assert "at most 1 of 4 groups" in message and "(2 groups)" in message
+
+
+@pytest.mark.parametrize(
+    ("slots", "prompts", "words"),
+    [
+        (1, 2, "1 slot was shrunk after 2 prompts were dropped."),
+        (1, 1, "1 slot was shrunk after 1 prompt was dropped."),
+        (2, 5, "2 slots were shrunk after 5 prompts were dropped."),
+    ],
+)
+def test_short_step_message_counts_slots_and_prompts_apart(slots: int, prompts: int, words: str) -> None:
+    # A slot under `replace` drops its own prompt, then its replacement, before it is shrunk.
+    message = d.short_step_message(
+        step=3, num_prompts_per_step=4, dropped_shrunk=slots, dropped_prompts=prompts, min_step_batch_fraction=1.0
+    )
+    assert message.splitlines()[0] == (
+        f"step 3 can train at most {4 - slots} of 4 groups, below "
+        f"rollout_failure.min_step_batch_fraction=1.0 (4 groups): {words} Likely causes:"
+    )
 
 
 def test_consecutive_drops_message() -> None:
