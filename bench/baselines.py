@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 
 from bench.virtual_fleet import AttemptRecord, Scenario, StepRecord, Trace
 from refill.models.dataloader import epoch_order
+from refill.models.payload import GenerationRequest
 from refill.rewards.scoring import score_group
 from refill.rewards.sim import solved
-from refill.tasks.backends.base import GenerationRequest
 
 
 @dataclass

@@ -116,10 +116,10 @@ class Timers:
 def one_step(
     url: str, args: argparse.Namespace, profile: cProfile.Profile | None, phase: str | None = None
 ) -> tuple[Timers, dict[str, int]]:
+    from refill.config import config_from_dict
     from refill.models import metrics as metrics_module
     from refill.models import slots as slots_module
     from refill.models.admission import admit_steps
-    from refill.config import config_from_dict
     from refill.models.dataset import load_dataset
     from refill.models.db import Ledger
     from refill.models.leases import start_attempts
@@ -130,7 +130,6 @@ def one_step(
     from refill.models.training import claim_training
     from refill.rewards.loader import load_reward_fn
     from refill.rewards.scoring import score_group
-    from refill.tasks.backends.base import GenerationRequest
     from refill.tasks.backends.sim import SimEngine
     from refill.tasks.relay import GENERATE_BUNDLE
     from refill.tasks.setup import format_prompt
@@ -256,7 +255,7 @@ def one_step(
                 for message in bundle:
                     if message.attempt_id not in leases:
                         continue
-                    output = engine.generate([GenerationRequest.from_message(message)])[0]
+                    output = engine.generate([message])[0]
                     rewards = score_group(reward_fn, [c.text for c in output.completions], message.row)
                     results.append(
                         ResultMessage(

@@ -49,7 +49,6 @@ from refill.models.tables import Attempt, Base, Group, Run, RunStatus, Step
 from refill.models.training import claim_training, finish_training
 from refill.rewards.scoring import score_group
 from refill.rewards.sim import solved
-from refill.tasks.backends.base import GenerationRequest
 from refill.tasks.backends.sim import Latency, SimEngine
 
 T = TypeVar("T")
@@ -356,7 +355,7 @@ class VirtualFleet:
     def generate(self, message: GenerateMessage, version: int) -> tuple[ResultMessage, float]:
         """What `GenerationService._generate` does, on the sim engine in virtual mode."""
         self.engine.load_weights(version, None)
-        (output,) = self.engine.generate([GenerationRequest.from_message(message)])
+        (output,) = self.engine.generate([message])
         if isinstance(output, Exception):  # the benchmark injects no failures
             raise output
         rewards = score_group(solved, [c.text for c in output.completions], message.row)

@@ -7,7 +7,7 @@ trainer all agree on these shapes, and the wire format is JSON only (never pickl
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -54,10 +54,11 @@ class Completion:
 
 
 @dataclass
-class GenerateMessage:
-    """Body of the `refill.generate` task: one attempt, `n` completions of one prompt."""
+class GenerationRequest:
+    """One attempt as an engine sees it: ``n`` completions of ``prompt``, sampled with these
+    parameters. The generate queue's message is this plus the run (``GenerateMessage``), so the
+    fields are declared once for both sides of the boundary."""
 
-    run_id: int
     attempt_id: int
     prompt: str
     row: dict[str, Any]
@@ -66,10 +67,46 @@ class GenerateMessage:
     top_p: float
     max_new_tokens: int
     seed: int
-    min_weight_version: int
+    min_weight_version: int = 0
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise PayloadError(f"attempt {self.attempt_id}: n must be at least 1, not {self.n}")
+        if self.max_new_tokens < 1:
+            raise PayloadError(
+                f"attempt {self.attempt_id}: max_new_tokens must be at least 1, not {self.max_new_tokens}"
+            )
+        if self.temperature < 0:
+            raise PayloadError(f"attempt {self.attempt_id}: temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise PayloadError(
+                f"attempt {self.attempt_id}: top_p must be in (0, 1], not {self.top_p}"
+            )
+
+
+@dataclass
+class GenerateMessage(GenerationRequest):
+    """Body of the `refill.generate` task: one attempt of run `run_id`, which a worker hands
+    to its engine as it is (a `GenerationRequest`)."""
+
+    # Keyword-only: a subclass field after the defaulted min_weight_version.
+    run_id: int = field(kw_only=True)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        # By hand, in the order the wire has always had (run_id first); asdict would put the
+        # subclass's run_id last.
+        return {
+            "run_id": self.run_id,
+            "attempt_id": self.attempt_id,
+            "prompt": self.prompt,
+            "row": self.row,
+            "n": self.n,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "max_new_tokens": self.max_new_tokens,
+            "seed": self.seed,
+            "min_weight_version": self.min_weight_version,
+        }
 
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> GenerateMessage:

@@ -17,7 +17,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from sqlalchemy import select, update
@@ -33,7 +33,7 @@ from refill.models.training import newest_weights
 from refill.rewards.loader import load_reward_fn
 from refill.rewards.scoring import RewardError, score_group
 from refill.tasks.backends import make_engine
-from refill.tasks.backends.base import GenerationOutput, GenerationRequest
+from refill.tasks.backends.base import GenerationOutput
 from refill.tasks.backends.engine_batching import BatchingEngine
 
 log = logging.getLogger(__name__)
@@ -177,10 +177,10 @@ class GenerationService:
         return out
 
     def _generate(self, run_engine: _RunEngine, message: GenerateMessage, lease: Lease) -> ResultMessage:
-        request = GenerationRequest.from_message(message)
-        # The ledger may have raised the floor since the message was sent (the attempt was
-        # handed to a later step); the lease carries the current one.
-        request.min_weight_version = max(request.min_weight_version, lease.min_weight_version)
+        # The message is the engine's request (a GenerateMessage is a GenerationRequest), with
+        # the weight floor the lease carries: the ledger may have raised it since the message
+        # was sent (the attempt was handed to a later step).
+        request = replace(message, min_weight_version=max(message.min_weight_version, lease.min_weight_version))
         started = time.perf_counter()
 
         def failure(kind: str, error: str, version: int | None = None) -> ResultMessage:

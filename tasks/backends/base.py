@@ -1,7 +1,8 @@
 """The generation engine interface shared by the ``sim``, ``hf`` and ``vllm`` back-ends.
 
-An engine turns a list of ``GenerationRequest`` (one prompt group each) into one entry per
-request: a ``GenerationOutput`` or an ``Exception``. An exception in the list fails that request
+An engine turns a list of ``GenerationRequest`` (one prompt group each; declared in
+``refill.models.payload``, since a generate message is one) into one entry per request: a
+``GenerationOutput`` or an ``Exception``. An exception in the list fails that request
 only; an exception raised by ``generate`` fails the whole list (the engine crashed).
 
 Nothing here imports torch, transformers, vllm or Celery, nor any back-end: each back-end
@@ -15,53 +16,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from refill.models.payload import Completion
+from refill.models.payload import Completion, GenerationRequest
 
 _MISSING = object()
-
-
-@dataclass
-class GenerationRequest:
-    """One attempt: ``n`` completions of ``prompt``, sampled with these parameters."""
-
-    attempt_id: int
-    prompt: str
-    row: dict[str, Any]
-    n: int
-    temperature: float
-    top_p: float
-    max_new_tokens: int
-    seed: int
-    min_weight_version: int = 0
-
-    def __post_init__(self) -> None:
-        if self.n < 1:
-            raise ValueError(f"attempt {self.attempt_id}: n must be at least 1, not {self.n}")
-        if self.max_new_tokens < 1:
-            raise ValueError(
-                f"attempt {self.attempt_id}: max_new_tokens must be at least 1, not {self.max_new_tokens}"
-            )
-        if self.temperature < 0:
-            raise ValueError(f"attempt {self.attempt_id}: temperature must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(
-                f"attempt {self.attempt_id}: top_p must be in (0, 1], not {self.top_p}"
-            )
-
-    @classmethod
-    def from_message(cls, message: Any) -> GenerationRequest:
-        """Build from a ``refill.models.payload.GenerateMessage`` (or anything with its fields)."""
-        return cls(
-            attempt_id=message.attempt_id,
-            prompt=message.prompt,
-            row=message.row,
-            n=message.n,
-            temperature=message.temperature,
-            top_p=message.top_p,
-            max_new_tokens=message.max_new_tokens,
-            seed=message.seed,
-            min_weight_version=message.min_weight_version,
-        )
 
 
 @dataclass

@@ -21,7 +21,8 @@ from collections.abc import Callable
 from typing import Any
 
 from refill.microbatcher import BatcherClosed, MicroBatcher
-from refill.tasks.backends.base import Engine, EngineError, GenerationOutput, GenerationRequest, cfg
+from refill.models.payload import GenerationRequest
+from refill.tasks.backends.base import Engine, EngineError, GenerationOutput, cfg
 
 log = logging.getLogger(__name__)
 

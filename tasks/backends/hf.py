@@ -41,10 +41,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from refill.model_loading import load_model, load_tokenizer, load_weights_into, model_directory
-from refill.models.payload import Completion
+from refill.models.payload import Completion, GenerationRequest
 from refill.tasks.backends.base import (
     GenerationOutput,
-    GenerationRequest,
     cfg,
     encode_prompt,
     eos_token_ids,

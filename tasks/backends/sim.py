@@ -56,15 +56,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from refill.models.payload import Completion
+from refill.models.payload import Completion, GenerationRequest
 from refill.rewards.sim import SOLVED_MARKER, UNSOLVED_MARKER
-from refill.tasks.backends.base import (
-    EngineError,
-    GenerationOutput,
-    GenerationRequest,
-    cfg,
-    stable_seed,
-)
+from refill.tasks.backends.base import EngineError, GenerationOutput, cfg, stable_seed
 
 LATENCY_DISTRIBUTIONS = ("constant", "lognormal", "exponential")
 

@@ -59,14 +59,8 @@ from typing import Any
 
 from refill.assets import resolve_model_path
 from refill.model_loading import has_weights
-from refill.models.payload import Completion
-from refill.tasks.backends.base import (
-    EngineError,
-    GenerationOutput,
-    GenerationRequest,
-    cfg,
-    encode_prompt,
-)
+from refill.models.payload import Completion, GenerationRequest
+from refill.tasks.backends.base import EngineError, GenerationOutput, cfg, encode_prompt
 
 RELOAD_STYLES = ("weights_path", "update_config")
 

@@ -6,8 +6,8 @@ import time
 import pytest
 
 from refill.microbatcher import BatcherClosed, MicroBatcher
-from refill.models.payload import Completion
-from refill.tasks.backends.base import GenerationOutput, GenerationRequest
+from refill.models.payload import Completion, GenerationRequest
+from refill.tasks.backends.base import GenerationOutput
 from refill.tasks.backends.engine_batching import BatchingEngine, StaleWeightsError
 
 

@@ -62,7 +62,7 @@ def test_hf_engine_from_the_default_run_config():
     torch.set_num_threads(1)
     config = RunConfig.model_validate({"generation": {"backend": "hf", "max_new_tokens": 4}})
     engine = make_engine(config)
-    from refill.tasks.backends.base import GenerationRequest
+    from refill.models.payload import GenerationRequest
 
     out = engine.generate(
         [

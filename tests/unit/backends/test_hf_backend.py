@@ -10,8 +10,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from refill.assets import resolve_model_path, tiny_arith_path  # noqa: E402
+from refill.models.payload import GenerationRequest  # noqa: E402
 from refill.tasks.backends import make_engine  # noqa: E402
-from refill.tasks.backends.base import GenerationOutput, GenerationRequest  # noqa: E402
+from refill.tasks.backends.base import GenerationOutput  # noqa: E402
 from refill.tasks.backends.hf import HFEngine, processed_logprobs  # noqa: E402
 
 torch.set_num_threads(1)

@@ -43,8 +43,8 @@ import torch
 
 torch.set_num_threads(1)
 from refill.config import RunConfig
+from refill.models.payload import GenerationRequest
 from refill.tasks.backends import make_engine
-from refill.tasks.backends.base import GenerationRequest
 from refill.tasks.backends.vllm import VLLMEngine
 
 config = RunConfig.model_validate(

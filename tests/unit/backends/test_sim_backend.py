@@ -6,9 +6,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from refill.models.payload import GenerationRequest
 from refill.rewards.sim import SOLVED_MARKER, UNSOLVED_MARKER, solved
 from refill.tasks.backends import make_engine
-from refill.tasks.backends.base import EngineError, GenerationOutput, GenerationRequest
+from refill.tasks.backends.base import EngineError, GenerationOutput
 from refill.tasks.backends.sim import (
     Latency,
     SimEngine,

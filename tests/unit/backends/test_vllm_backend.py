@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 
 from refill.assets import tiny_arith_path
-from refill.tasks.backends.base import EngineError, GenerationOutput, GenerationRequest, stable_seed
+from refill.models.payload import GenerationRequest
+from refill.tasks.backends.base import EngineError, GenerationOutput, stable_seed
 from refill.tasks.backends.engine_batching import BatchingEngine
 from refill.tasks.backends.vllm import VLLMEngine
 
