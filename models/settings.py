@@ -1,16 +1,19 @@
 """The knobs the ledger reads, taken from a run's config snapshot.
 
 The ledger stores the resolved config (a dict) with the run and must behave the same after a
-restart, whatever the code's current defaults are; so it reads the snapshot, once per run,
-into this flat, immutable view rather than re-validating the YAML schema on the hot path.
+restart; so it rebuilds the snapshot through the schema (`refill.config.from_snapshot`), once
+per run, into this flat, immutable view. Every value comes from the validated config: the
+knobs' defaults are the schema's alone.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+from refill.config import RunConfig, from_snapshot
 from refill.models.samplers import Sampler, make_sampler
 
 
@@ -70,59 +73,64 @@ class LedgerSettings:
         )
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> LedgerSettings:
-        def get(section: str, key: str, default: Any = None) -> Any:
-            value = (config.get(section) or {}).get(key, default)
-            return default if value is None else value
+    def from_config(cls, config: RunConfig | Mapping[str, Any]) -> LedgerSettings:
+        """The settings of a run config, or of the snapshot a run stored (rebuilt through the
+        schema, so a knob the snapshot lacks has the schema's default)."""
+        if not isinstance(config, RunConfig):
+            config = from_snapshot(config)
+        values = {name: _knob(config, path) for name, path in KNOBS.items()}
+        generation = config.generation
+        # The vocabulary bounds token ids only where the run invents them (the sim back-end).
+        vocab_size = generation.sim.vocab_size if generation.backend == "sim" else None
+        return cls(**values, vocab_size=vocab_size)
 
-        grpo = config.get("grpo") or {}
-        async_rl = config.get("async_rl") or {}
-        sampler = async_rl.get("sampler") or {}
-        over = async_rl.get("over_dispatch") or {}
-        generation = config.get("generation") or {}
-        sim = generation.get("sim") or {}
-        n_prompts = int(grpo.get("num_prompts_per_step", 8))
-        reserve = get("rollout_failure", "replacement_reserve_prompts", n_prompts)
-        vocab = sim.get("vocab_size") if generation.get("backend") == "sim" else None
-        return cls(
-            seed=int(get("run", "seed", 0)),
-            num_prompts_per_step=n_prompts,
-            group_size=int(grpo.get("num_generations_per_prompt", 8)),
-            max_num_steps=int(grpo.get("max_num_steps", 100)),
-            max_num_epochs=grpo.get("max_num_epochs", 1),
-            shuffle=bool(get("data", "shuffle", True)),
-            use_dynamic_sampling=bool(grpo.get("use_dynamic_sampling", True)),
-            filter_budget=int(grpo.get("dynamic_sampling_max_replacements_per_slot", 32)),
-            zero_variance_tolerance=float(grpo.get("zero_variance_tolerance", 0.0)),
-            max_lookahead_versions=int(async_rl.get("max_lookahead_versions", 1)),
-            sampler_name=str(sampler.get("name", "in_order")),
-            sampler_window=sampler.get("max_staleness_versions"),
-            sampler_freshest_first=bool(sampler.get("freshest_first", False)),
-            sampler_import_path=sampler.get("import_path"),
-            over_dispatch=bool(over.get("enabled", True)),
-            over_dispatch_sigmas=float(over.get("safety_sigmas", 2.0)),
-            over_dispatch_max_fraction=float(over.get("max_extra_fraction", 1.0)),
-            over_dispatch_tail_fraction=float(over.get("tail_fraction", 0.01)),
-            max_attempts_per_prompt=int(get("rollout_failure", "max_attempts_per_prompt", 3)),
-            retry_backoff_seconds=float(get("rollout_failure", "retry_backoff_seconds", 1.0)),
-            retry_backoff_max_seconds=float(get("rollout_failure", "retry_backoff_max_seconds", 60.0)),
-            on_dropped_prompt=str(get("rollout_failure", "on_dropped_prompt", "replace")),
-            max_replacement_attempts=int(get("rollout_failure", "max_replacement_attempts", 1)),
-            replacement_reserve_prompts=int(reserve),
-            min_step_batch_fraction=float(get("rollout_failure", "min_step_batch_fraction", 0.9)),
-            max_consecutive_dropped_prompts=int(
-                get("rollout_failure", "max_consecutive_dropped_prompts", 16)
-            ),
-            temperature=float(generation.get("temperature", 1.0)),
-            top_p=float(generation.get("top_p", 1.0)),
-            max_new_tokens=int(generation.get("max_new_tokens", 16)),
-            lease_seconds=float(generation.get("lease_seconds", 120.0)),
-            queue_timeout_seconds=float(generation.get("queue_timeout_seconds", 600.0)),
-            trainer_lease_seconds=float(get("infra", "trainer_lease_seconds", 600.0)),
-            max_train_attempts=int(get("infra", "max_train_attempts", 3)),
-            vocab_size=None if vocab is None else int(vocab),
-            max_result_bytes=int(get("infra", "max_result_bytes", 64 * 1024 * 1024)),
-        )
+
+#: Each setting and the knob of the run config it is: the knob's default, its one default, is
+#: the schema's (refill.config.schema).
+KNOBS: dict[str, str] = {
+    "seed": "run.seed",
+    "num_prompts_per_step": "grpo.num_prompts_per_step",
+    "group_size": "grpo.num_generations_per_prompt",
+    "max_num_steps": "grpo.max_num_steps",
+    "max_num_epochs": "grpo.max_num_epochs",
+    "shuffle": "data.shuffle",
+    "use_dynamic_sampling": "grpo.use_dynamic_sampling",
+    "filter_budget": "grpo.dynamic_sampling_max_replacements_per_slot",
+    "zero_variance_tolerance": "grpo.zero_variance_tolerance",
+    "max_lookahead_versions": "async_rl.max_lookahead_versions",
+    "sampler_name": "async_rl.sampler.name",
+    "sampler_window": "async_rl.sampler.max_staleness_versions",
+    "sampler_freshest_first": "async_rl.sampler.freshest_first",
+    "sampler_import_path": "async_rl.sampler.import_path",
+    "over_dispatch": "async_rl.over_dispatch.enabled",
+    "over_dispatch_sigmas": "async_rl.over_dispatch.safety_sigmas",
+    "over_dispatch_max_fraction": "async_rl.over_dispatch.max_extra_fraction",
+    "over_dispatch_tail_fraction": "async_rl.over_dispatch.tail_fraction",
+    "max_attempts_per_prompt": "rollout_failure.max_attempts_per_prompt",
+    "retry_backoff_seconds": "rollout_failure.retry_backoff_seconds",
+    "retry_backoff_max_seconds": "rollout_failure.retry_backoff_max_seconds",
+    "on_dropped_prompt": "rollout_failure.on_dropped_prompt",
+    "max_replacement_attempts": "rollout_failure.max_replacement_attempts",
+    # None in a config file means num_prompts_per_step; the schema resolves it on validation.
+    "replacement_reserve_prompts": "rollout_failure.replacement_reserve_prompts",
+    "min_step_batch_fraction": "rollout_failure.min_step_batch_fraction",
+    "max_consecutive_dropped_prompts": "rollout_failure.max_consecutive_dropped_prompts",
+    "temperature": "generation.temperature",
+    "top_p": "generation.top_p",
+    "max_new_tokens": "generation.max_new_tokens",
+    "lease_seconds": "generation.lease_seconds",
+    "queue_timeout_seconds": "generation.queue_timeout_seconds",
+    "trainer_lease_seconds": "infra.trainer_lease_seconds",
+    "max_train_attempts": "infra.max_train_attempts",
+    "max_result_bytes": "infra.max_result_bytes",
+}
+
+
+def _knob(config: RunConfig, path: str) -> Any:
+    node: Any = config
+    for part in path.split("."):
+        node = getattr(node, part)
+    return node
 
 
 @lru_cache(maxsize=64)

@@ -22,6 +22,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from refill.config import from_snapshot
 from refill.microbatcher import MicroBatcher
 from refill.models.context import utcnow
 from refill.models.db import Ledger
@@ -30,8 +31,6 @@ from refill.models.results import record_results
 from refill.models.tables import RejectedResult, RejectReason, Run
 from refill.tasks.chaos import ConsumerChaos
 from refill.tasks.generation import estimated_result_bytes
-
-DEFAULT_MAX_RESULT_BYTES = 64 * 2**20
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +117,8 @@ class ResultConsumer:
             # Only the config column: loading Run entities here would put rows read before the
             # run lock into the session that record_results then locks and trusts.
             for run_id, config in session.execute(select(Run.id, Run.config).where(Run.id.in_(missing))):
-                infra = (config or {}).get("infra") or {}
-                self._max_bytes[run_id] = int(infra.get("max_result_bytes") or DEFAULT_MAX_RESULT_BYTES)
+                limit = from_snapshot(config, source=f"run {run_id}'s stored config").infra.max_result_bytes
+                self._max_bytes[run_id] = limit
         return self._max_bytes
 
     def close(self) -> None:

@@ -24,6 +24,7 @@ from celery import Celery
 from kombu.exceptions import OperationalError as BrokerUnreachable
 
 from refill.admin.progress_queries import RunProgress, run_progress
+from refill.config import InfraConfig, from_snapshot
 from refill.models.admission import admit_steps
 from refill.models.db import Ledger
 from refill.models.leases import expire_leases
@@ -56,16 +57,13 @@ class Controller:
         app: Celery,
         run_id: int,
         controller_id: str | None = None,
-        *,
-        relay_interval: float = 0.05,
-        housekeeping_interval: float = 1.0,
     ) -> None:
         self.ledger = ledger
         self.app = app
         self.run_id = run_id
         self.controller_id = controller_id or new_controller_id()
-        self.relay_interval = relay_interval
-        self.housekeeping_interval = housekeeping_interval
+        # The schema's defaults until `start` reads the run's own config.
+        self._set_intervals(InfraConfig())
         self._last_housekeeping = 0.0
         self._broker_down_since: float | None = None
         self._risk_warned_step: int | None = None
@@ -83,9 +81,11 @@ class Controller:
             ),
             what="start run",
         )
-        infra = run.config.get("infra") or {}
-        self.relay_interval = float(infra.get("relay_interval_seconds") or self.relay_interval)
-        self.housekeeping_interval = float(infra.get("reaper_interval_seconds") or self.housekeeping_interval)
+        self._set_intervals(from_snapshot(run.config, source=f"run {self.run_id}'s stored config").infra)
+
+    def _set_intervals(self, infra: InfraConfig) -> None:
+        self.relay_interval = infra.relay_interval_seconds
+        self.housekeeping_interval = infra.reaper_interval_seconds
 
     def tick(self) -> str:
         """One pass of the loop; returns the run's status."""

@@ -22,12 +22,12 @@ from typing import Any
 
 from sqlalchemy import select, update
 
+from refill.config import RunConfig, from_snapshot
 from refill.microbatcher import MicroBatcher
 from refill.models.context import utcnow
 from refill.models.db import Ledger
 from refill.models.leases import Lease, start_attempts
 from refill.models.payload import GenerateMessage, ResultMessage
-from refill.models.settings import LedgerSettings
 from refill.models.tables import Attempt, AttemptState, Run
 from refill.models.training import newest_weights
 from refill.rewards.loader import load_reward_fn
@@ -55,7 +55,7 @@ def estimated_result_bytes(output: GenerationOutput) -> int:
 @dataclass
 class _RunEngine:
     run_id: int
-    config: dict[str, Any]
+    config: RunConfig
     engine: BatchingEngine
     reward_fn: Callable[..., float]
     heartbeat_seconds: float
@@ -152,7 +152,7 @@ class GenerationService:
                         config = self.ledger.transaction(lambda s: _run_config(s, run_id), what="read run config")
                     except LookupError:
                         return None
-                    found = self._lease_seconds[run_id] = LedgerSettings.from_config(config).lease_seconds
+                    found = self._lease_seconds[run_id] = config.generation.lease_seconds
         return found
 
     def _take_leases(self, requests: list[tuple[int, int, float, int | None]]) -> list[Lease | None]:
@@ -242,18 +242,14 @@ class GenerationService:
             batching = BatchingEngine.from_config(
                 engine, config, weights_provider=lambda needed: self._newest_weights(run_id, needed)
             )
-            generation = config.get("generation") or {}
-            reward = config.get("reward") or {}
             self._current = _RunEngine(
                 run_id=run_id,
                 config=config,
                 engine=batching,
-                reward_fn=load_reward_fn(
-                    reward.get("function") or "refill.rewards.arith:exact_match", reward.get("kwargs")
-                ),
-                heartbeat_seconds=float(generation.get("heartbeat_seconds") or 10.0),
-                lease_seconds=LedgerSettings.from_config(config).lease_seconds,
-                max_result_bytes=int((config.get("infra") or {}).get("max_result_bytes") or 64 * 2**20),
+                reward_fn=load_reward_fn(config.reward.function, config.reward.kwargs),
+                heartbeat_seconds=config.generation.heartbeat_seconds,
+                lease_seconds=config.generation.lease_seconds,
+                max_result_bytes=config.infra.max_result_bytes,
             )
             return self._current
 
@@ -279,11 +275,11 @@ class GenerationService:
                 self._current = None
 
 
-def _run_config(session, run_id: int) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+def _run_config(session, run_id: int) -> RunConfig:  # type: ignore[no-untyped-def]
     config = session.scalar(select(Run.config).where(Run.id == run_id))
     if config is None:
         raise LookupError(f"there is no run {run_id} in the ledger")
-    return dict(config)
+    return from_snapshot(config, source=f"run {run_id}'s stored config")
 
 
 class LeaseKeeper:

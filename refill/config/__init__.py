@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from refill.config.errors import ConfigError, ConfigFileError, Problem
 from refill.config.loading import config_from_dict, from_snapshot, load_config, read_yaml
-from refill.config.schema import SECTIONS, RunConfig
+from refill.config.schema import SECTIONS, InfraConfig, RunConfig
 from refill.config.urls import (
     BROKER_URL_ENV,
     DATABASE_URL_ENV,
@@ -29,6 +29,7 @@ __all__ = [
     "SECTIONS",
     "ConfigError",
     "ConfigFileError",
+    "InfraConfig",
     "Problem",
     "RunConfig",
     "config_from_dict",
