@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from refill.tasks.backends.base import Engine, cfg
+from refill.tasks.backends.base import Engine, engine_config
 
 BACKENDS = ("sim", "hf", "vllm")
 
@@ -20,7 +20,8 @@ def make_engine(config: Any, **kwargs: Any) -> Engine:
     Extra keyword arguments go to the back-end's ``from_config`` (test hooks such as
     ``llm_factory`` for vllm, ``virtual`` for sim).
     """
-    backend = cfg(config, "generation.backend", "sim")
+    config = engine_config(config)
+    backend = config.generation.backend
     if backend == "sim":
         from refill.tasks.backends.sim import SimEngine
 

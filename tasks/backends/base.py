@@ -14,11 +14,11 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Protocol, runtime_checkable
 
+from refill.config import RunConfig, from_snapshot
 from refill.models.payload import Completion, GenerationRequest
-
-_MISSING = object()
 
 
 @dataclass
@@ -56,29 +56,21 @@ class Engine(Protocol):
 # ---------------------------------------------------------------------------- config access
 
 
-def cfg(config: Any, dotted: str, default: Any = _MISSING) -> Any:
-    """Read ``a.b.c`` from the run config, a mapping, or any nesting of the two.
+def engine_config(config: Any) -> RunConfig:
+    """The run config a back-end reads, validated: a ``RunConfig`` as it is; a stored snapshot (a
+    mapping) or a ``SimpleNamespace`` (tests) rebuilt through the schema, so that each knob it
+    does not name has the schema's default, the only one (``refill.config.schema``)."""
+    if isinstance(config, RunConfig):
+        return config
+    return from_snapshot(_plain(config), source="the engine's config")
 
-    The run config is a pydantic model written elsewhere; tests use ``SimpleNamespace``. A key
-    that is absent, or present as ``None`` where a default is given, yields the default, so that
-    every knob of the back-ends has one documented default here even before the schema lists it.
-    """
-    node = config
-    for part in dotted.split("."):
-        if node is None:
-            node = _MISSING
-            break
-        if isinstance(node, Mapping):
-            node = node.get(part, _MISSING)
-        else:
-            node = getattr(node, part, _MISSING)
-        if node is _MISSING:
-            break
-    if node is _MISSING or (node is None and default is not _MISSING):
-        if default is _MISSING:
-            raise KeyError(f"the run config has no {dotted!r}")
-        return default
-    return node
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, SimpleNamespace):
+        value = vars(value)
+    if isinstance(value, Mapping):
+        return {key: _plain(item) for key, item in value.items()}
+    return value
 
 
 # ---------------------------------------------------------------------------- helpers shared by back-ends

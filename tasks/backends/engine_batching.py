@@ -22,7 +22,7 @@ from typing import Any
 
 from refill.microbatcher import BatcherClosed, MicroBatcher
 from refill.models.payload import GenerationRequest
-from refill.tasks.backends.base import Engine, EngineError, GenerationOutput, cfg
+from refill.tasks.backends.base import Engine, EngineError, GenerationOutput, engine_config
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +60,11 @@ class BatchingEngine:
     ) -> BatchingEngine:
         """``generation.groups_in_flight`` groups per engine call at most, gathered for at most
         ``generation.max_batch_wait_ms`` after the first one arrives."""
+        generation = engine_config(config).generation
         return cls(
             engine,
-            max_batch=int(cfg(config, "generation.groups_in_flight", 8)),
-            max_wait_ms=float(cfg(config, "generation.max_batch_wait_ms", 10.0)),
+            max_batch=generation.groups_in_flight,
+            max_wait_ms=generation.max_batch_wait_ms,
             weights_provider=weights_provider,
         )
 

@@ -26,10 +26,10 @@ so a config-only directory (``builtin:tiny-arith``) gets the same seeded init as
 and ``load_weights(version, path)`` copies a published version into the existing model with
 ``refill.model_loading.load_weights_into`` (same tensors, same device, no reallocation).
 
-Knobs: ``model.name_or_path`` (``builtin:NAME`` or a local directory; never downloaded),
-``model.dtype`` [float32], ``model.warm_start.seed`` [0] (the init of a config-only model),
-``generation.use_chat_template`` [false], ``generation.hf.device`` ["auto": cuda when
-available, else cpu].
+Knobs (defaults in ``refill.config.schema``): ``model.name_or_path`` (``builtin:NAME`` or a
+local directory; never downloaded), ``model.dtype``, ``model.warm_start.seed`` (the init of a
+config-only model), ``generation.use_chat_template``, ``generation.hf.device`` ("auto": cuda
+when available, else cpu).
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ from refill.model_loading import load_model, load_tokenizer, load_weights_into, 
 from refill.models.payload import Completion, GenerationRequest
 from refill.tasks.backends.base import (
     GenerationOutput,
-    cfg,
     encode_prompt,
+    engine_config,
     eos_token_ids,
     stable_seed,
 )
@@ -126,17 +126,14 @@ class HFEngine:
         # The loaders the trainer uses too, so that engine and trainer read a model directory
         # the same way (a config-only directory such as builtin:tiny-arith gets the same seeded
         # init).
-        source = model_directory(str(cfg(config, "model.name_or_path")))
-        device = _device(str(cfg(config, "generation.hf.device", "auto")))
-        model = load_model(
-            source,
-            str(cfg(config, "model.dtype", "float32")),
-            seed=int(cfg(config, "model.warm_start.seed", 0)),
-        )
+        config = engine_config(config)
+        source = model_directory(config.model.name_or_path)
+        device = _device(config.generation.hf.device)
+        model = load_model(source, config.model.dtype, seed=config.model.warm_start.seed)
         return cls(
             model.to(device),
             load_tokenizer(source),
-            use_chat_template=bool(cfg(config, "generation.use_chat_template", False)),
+            use_chat_template=config.generation.use_chat_template,
         )
 
     # ------------------------------------------------------------------ Engine

@@ -58,7 +58,7 @@ from typing import Any
 
 from refill.models.payload import Completion, GenerationRequest
 from refill.rewards.sim import SOLVED_MARKER, UNSOLVED_MARKER
-from refill.tasks.backends.base import EngineError, GenerationOutput, cfg, stable_seed
+from refill.tasks.backends.base import EngineError, GenerationOutput, engine_config, stable_seed
 
 LATENCY_DISTRIBUTIONS = ("constant", "lognormal", "exponential")
 
@@ -183,29 +183,27 @@ class SimEngine:
 
     @classmethod
     def from_config(cls, config: Any, *, virtual: bool | None = None, **kwargs: Any) -> SimEngine:
+        config = engine_config(config)
+        sim = config.generation.sim
         latency = Latency(
-            distribution=str(cfg(config, "generation.sim.latency.distribution", "constant")),
-            mean_seconds=float(cfg(config, "generation.sim.latency.mean_seconds", 0.0)),
-            sigma=float(cfg(config, "generation.sim.latency.sigma", 0.5)),
+            distribution=sim.latency.distribution,
+            mean_seconds=sim.latency.mean_seconds,
+            sigma=sim.latency.sigma,
         )
-        zvf = cfg(config, "generation.sim.zero_variance_fraction", None)
-        seed = cfg(config, "generation.sim.seed", None)
         return cls(
-            seed=int(cfg(config, "run.seed", 0) if seed is None else seed),
-            solve_rate_alpha=float(cfg(config, "generation.sim.solve_rate_alpha", 1.0)),
-            solve_rate_beta=float(cfg(config, "generation.sim.solve_rate_beta", 1.0)),
-            zero_variance_fraction=None if zvf is None else float(zvf),
-            key_field=cfg(config, "generation.sim.key_field", None),
+            seed=config.run.seed if sim.seed is None else sim.seed,
+            solve_rate_alpha=sim.solve_rate_alpha,
+            solve_rate_beta=sim.solve_rate_beta,
+            zero_variance_fraction=sim.zero_variance_fraction,
+            key_field=sim.key_field,
             latency=latency,
-            failure_rate=float(cfg(config, "generation.sim.failure_rate", 0.0)),
-            tokens_per_completion=int(cfg(config, "generation.sim.tokens_per_completion", 8)),
-            vocab_size=int(cfg(config, "generation.sim.vocab_size", 100)),
-            virtual=bool(cfg(config, "generation.sim.virtual", False))
-            if virtual is None
-            else virtual,
-            wrong_group_size_rate=float(cfg(config, "generation.sim.wrong_group_size_rate", 0.0)),
-            oversized_rate=float(cfg(config, "generation.sim.oversized_rate", 0.0)),
-            oversized_chars=int(cfg(config, "infra.max_result_bytes", 64 * 2**20)) + 1,
+            failure_rate=sim.failure_rate,
+            tokens_per_completion=sim.tokens_per_completion,
+            vocab_size=sim.vocab_size,
+            virtual=sim.virtual if virtual is None else virtual,
+            wrong_group_size_rate=sim.wrong_group_size_rate,
+            oversized_rate=sim.oversized_rate,
+            oversized_chars=config.infra.max_result_bytes + 1,
             **kwargs,
         )
 

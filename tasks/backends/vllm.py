@@ -60,7 +60,7 @@ from typing import Any
 from refill.assets import resolve_model_path
 from refill.model_loading import has_weights
 from refill.models.payload import Completion, GenerationRequest
-from refill.tasks.backends.base import EngineError, GenerationOutput, cfg, encode_prompt
+from refill.tasks.backends.base import EngineError, GenerationOutput, encode_prompt, engine_config
 
 RELOAD_STYLES = ("weights_path", "update_config")
 
@@ -115,22 +115,21 @@ class VLLMEngine:
     @classmethod
     def engine_args(cls, config: Any) -> dict[str, Any]:
         """Keyword arguments of ``vllm.LLM`` for a run config."""
-        path = resolve_model_path(str(cfg(config, "model.name_or_path")))
+        config = engine_config(config)
+        knobs = config.generation.vllm
+        path = resolve_model_path(config.model.name_or_path)
         args: dict[str, Any] = {
             "model": path,
             "tokenizer": path,
-            "dtype": str(cfg(config, "generation.vllm.dtype", "auto")),
-            "tensor_parallel_size": int(cfg(config, "generation.vllm.tensor_parallel_size", 1)),
-            "gpu_memory_utilization": float(
-                cfg(config, "generation.vllm.gpu_memory_utilization", 0.85)
-            ),
-            "enforce_eager": bool(cfg(config, "generation.vllm.enforce_eager", False)),
-            "seed": int(cfg(config, "run.seed", 0)),
+            "dtype": knobs.dtype,
+            "tensor_parallel_size": knobs.tensor_parallel_size,
+            "gpu_memory_utilization": knobs.gpu_memory_utilization,
+            "enforce_eager": knobs.enforce_eager,
+            "seed": config.run.seed,
             "logprobs_mode": "processed_logprobs",
         }
-        max_model_len = cfg(config, "generation.vllm.max_model_len", None)
-        if max_model_len is not None:
-            args["max_model_len"] = int(max_model_len)
+        if knobs.max_model_len is not None:
+            args["max_model_len"] = knobs.max_model_len
         if not has_weights(path):
             args["load_format"] = "dummy"
         return args
@@ -157,12 +156,13 @@ class VLLMEngine:
             llm_factory = llm_factory or vllm.LLM
             sampling_params_cls = sampling_params_cls or vllm.SamplingParams
             reload_style = reload_style or detect_reload_style()
+        config = engine_config(config)
         args = cls.engine_args(config)
         llm = llm_factory(**args)
         return cls(
             llm,
             sampling_params_cls=sampling_params_cls,
-            use_chat_template=bool(cfg(config, "generation.use_chat_template", False)),
+            use_chat_template=config.generation.use_chat_template,
             reload_style=reload_style or "weights_path",
             max_model_len=args.get("max_model_len"),
         )

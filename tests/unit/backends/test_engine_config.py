@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
-from refill.config import RunConfig
+from refill.config import ConfigError, RunConfig
 from refill.tasks.backends import make_engine
-from refill.tasks.backends.base import cfg
+from refill.tasks.backends.base import engine_config
 from refill.tasks.backends.engine_batching import BatchingEngine
 from refill.tasks.backends.sim import SimEngine
 
@@ -45,14 +47,18 @@ def test_sim_engine_and_batcher_from_a_run_config():
         batching.close()
 
 
-def test_cfg_reads_mappings_objects_and_defaults():
+def test_engine_config_reads_mappings_objects_and_the_schema_defaults():
     config = RunConfig.model_validate({"generation": {"sim": {"seed": 9}}})
-    assert cfg(config, "generation.sim.seed") == 9
-    assert cfg(config, "generation.sim.key_field", "text") == "text"  # None -> default
-    assert cfg({"a": {"b": 1}}, "a.b") == 1
-    assert cfg(config, "generation.hf.device", "auto") == "auto"
-    with pytest.raises(KeyError, match="generation.nothing"):
-        cfg(config, "generation.nothing")
+    assert engine_config(config) is config
+    assert engine_config(config).generation.sim.seed == 9
+    # A knob left unset has the schema's default, its only one (no reader supplies another).
+    assert engine_config(config).generation.sim.key_field is None
+    assert engine_config({"generation": {"sim": {"seed": 9}}}).generation.sim.seed == 9
+    stand_in = SimpleNamespace(generation=SimpleNamespace(sim={"seed": 9}))
+    assert engine_config(stand_in).generation.sim.seed == 9
+    assert engine_config(config).generation.hf.device == "auto"
+    with pytest.raises(ConfigError, match="generation.nothing"):
+        engine_config({"generation": {"nothing": 1}})
 
 
 def test_hf_engine_from_the_default_run_config():
