@@ -38,6 +38,8 @@ def demo_settings(cache_dir: str | None = None) -> TrainerConfig:
     """The tiny model's settings for the CPU demo (what the demo config should carry)."""
     s = TrainerConfig()
     s.model.name_or_path = "builtin:tiny-arith"
+    # The tiny model ships no weights: untrained it solves nothing, so the demo warm-starts it.
+    s.model.warm_start.enabled = True
     s.model.warm_start.cache_dir = cache_dir
     s.optimizer.lr = 5e-4
     s.optimizer.warmup_steps = 5
