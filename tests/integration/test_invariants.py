@@ -1,7 +1,7 @@
 """`refill check`'s invariants find each kind of broken ledger, where it is broken.
 
 Every integration test ends with `assert_ledger_consistent` (tests/support/invariants.py),
-which is `refill.models.checks.run_checks`: the checks `refill check RUN` ships. These tests
+which is `refill.admin.invariants.run_checks`: the checks `refill check RUN` ships. These tests
 break a healthy ledger one row at a time and assert what the product reports: the check that
 fires and its location (step, slot, attempt), so that a check that went quiet, or one that
 blames the wrong slot, fails here.

@@ -1,6 +1,6 @@
 """The ledger's invariants for the test suite: the very checks `refill check RUN` ships.
 
-The suite proves a ledger with `refill.models.checks.run_checks` and nothing else, so a check
+The suite proves a ledger with `refill.admin.invariants.run_checks` and nothing else, so a check
 the tests rely on is a check operators get, and a corruption `refill check` would miss is one
 the tests miss too (tests/integration/test_invariants.py corrupts a healthy ledger to show
 that each is found, by check and location). This module only adapts the report to the tests:
@@ -9,7 +9,7 @@ that each is found, by check and location). This module only adapts the report t
   run, step, slot, attempt, message); empty when every invariant holds;
 - `assert_ledger_consistent(session, run_id)`: fails listing every violation.
 
-Give them a session on one snapshot of the ledger (`refill.models.queries.read_snapshot`, or a
+Give them a session on one snapshot of the ledger (`refill.admin.snapshot.read_snapshot`, or a
 session with nothing else writing the run) so that the checks see one state of it.
 """
 

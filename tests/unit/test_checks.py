@@ -1,4 +1,4 @@
-"""`refill.models.checks` on both ledgers (PostgreSQL and SQLite), on runs driven through the
+"""`refill.admin.invariants` on both ledgers (PostgreSQL and SQLite), on runs driven through the
 ledger API by hand (tests/support/driver.py): healthy runs in several states pass, and each
 kind of corruption is named with its run, step, slot and attempt.
 
