@@ -1,3 +1,10 @@
+"""The test session's servers and ledgers.
+
+The session starts a throwaway PostgreSQL and Redis for whichever of REFILL_TEST_PG_URL and
+REFILL_TEST_REDIS_URL is not set (tests/support/services.py), before anything is collected, and
+removes them when it ends; the fault suite starts a Redis of its own (tests/faults/conftest.py).
+"""
+
 from __future__ import annotations
 
 import os
@@ -8,8 +15,61 @@ import pytest
 from refill.models.db import Ledger
 from refill.models.tables import Base
 from tests.support.databases import temporary_pg_database, truncate_all
+from tests.support.services import (
+    PG_ENV,
+    REDIS_ENV,
+    MissingBinaries,
+    SessionServices,
+    install_line,
+    missing_binaries,
+)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+SERVICES = pytest.StashKey[SessionServices]()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    option = session.config.option
+    if option.collectonly or getattr(option, "showfixtures", False):
+        return
+    # Before anything starts: a machine without the binaries gets one line, not an error per
+    # test. (A UsageError is the one way out of a session that pytest prints once, as one line.)
+    missing = missing_binaries(postgresql=not os.environ.get(PG_ENV), redis=not os.environ.get(REDIS_ENV))
+    if missing:
+        raise pytest.UsageError(install_line(missing))
+    services = SessionServices()
+    try:
+        services.start()
+    except MissingBinaries as error:
+        raise pytest.UsageError(str(error)) from error
+    except Exception as error:  # noqa: BLE001 - the session cannot run without its servers
+        raise pytest.UsageError(f"the test servers did not start: {error}") from error
+    session.config.stash[SERVICES] = services
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    services = config.stash.get(SERVICES, None)
+    return [f"refill test services: {line}" for line in services.lines] if services else []
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if session.config.option.collectonly:
+        return
+    if any(item.get_closest_marker("faults") for item in session.items) and missing_binaries(
+        postgresql=False, redis=True
+    ):
+        raise pytest.UsageError(
+            "the fault suite starts a Redis of its own, whatever REFILL_TEST_REDIS_URL says: "
+            "install redis-server, or leave the suite out with -m 'not faults'"
+        )
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    services = session.config.stash.get(SERVICES, None)
+    if services is not None:
+        del session.config.stash[SERVICES]
+        services.stop()
 
 
 @pytest.fixture(scope="session")

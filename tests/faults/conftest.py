@@ -1,6 +1,9 @@
-"""The fault suite's fixtures: one PostgreSQL ledger and one fleet of real worker processes,
-shared by every scenario of tests/faults. A scenario that kills a role leaves it dead; the
-`fleet` fixture brings the fleet back to its standard shape before the next scenario."""
+"""The fault suite's fixtures: its own Redis, one PostgreSQL ledger and one fleet of real worker
+processes, shared by every scenario of tests/faults. A scenario that kills a role leaves it
+dead; the `fleet` fixture brings the fleet back to its standard shape before the next scenario.
+
+The suite flushes and restarts its Redis, so it gets one of its own (a throwaway server, on the
+port chaos_fleet.REDIS_URL names), whatever REFILL_TEST_REDIS_URL says."""
 
 from __future__ import annotations
 
@@ -10,13 +13,19 @@ import pytest
 
 from refill.models.db import Ledger
 from refill.models.migrate import upgrade
-from tests.support.chaos_fleet import VISIBILITY_TIMEOUT_SECONDS, ChaosFleet
+from tests.support.chaos_fleet import FAULT_REDIS, VISIBILITY_TIMEOUT_SECONDS, ChaosFleet
 from tests.support.databases import temporary_pg_database
 from tests.support.fleet import purge_prefix
 
 #: The standard fleet: two generation workers (so one can die while the other carries on),
 #: one results consumer, one trainer.
 SHAPE = {"generate": 2, "consume": 1, "train": 1}
+
+
+@pytest.fixture(scope="package", autouse=True)
+def fault_redis(tmp_path_factory) -> Iterator[str]:
+    with FAULT_REDIS.running(tmp_path_factory.mktemp("fault-redis")) as url:
+        yield url
 
 
 @pytest.fixture(scope="package")
@@ -27,7 +36,7 @@ def faults_db() -> Iterator[str]:
 
 
 @pytest.fixture(scope="package")
-def chaos_fleet(faults_db: str, tmp_path_factory) -> Iterator[ChaosFleet]:
+def chaos_fleet(faults_db: str, fault_redis: str, tmp_path_factory) -> Iterator[ChaosFleet]:
     f = ChaosFleet(
         faults_db,
         tmp_path_factory.mktemp("faults"),
@@ -38,7 +47,7 @@ def chaos_fleet(faults_db: str, tmp_path_factory) -> Iterator[ChaosFleet]:
         yield f
     finally:
         f.shutdown()
-        purge_prefix(f.prefix)
+        purge_prefix(f.prefix, f.redis_url)
 
 
 @pytest.fixture

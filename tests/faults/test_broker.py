@@ -19,13 +19,14 @@ from sqlalchemy import select
 from refill.models.tables import Attempt, Outbox, Run
 from tests.support.chaos_fleet import (
     FAULT_RUN,
+    REDIS_URL,
     assert_nothing_lost,
     drive_with_fault,
     fault_facts,
     redis_client,
     restart_redis,
 )
-from tests.support.fleet import REDIS_URL, merged
+from tests.support.fleet import merged
 
 pytestmark = pytest.mark.faults
 

@@ -23,8 +23,14 @@ from sqlalchemy import select
 from sqlalchemy.engine import make_url
 
 from refill.models.tables import Run
-from tests.support.chaos_fleet import FAULT_RUN, assert_nothing_lost, fault_facts, redis_client
-from tests.support.fleet import REDIS_URL, merged
+from tests.support.chaos_fleet import (
+    FAULT_RUN,
+    REDIS_URL,
+    assert_nothing_lost,
+    fault_facts,
+    redis_client,
+)
+from tests.support.fleet import merged
 
 pytestmark = pytest.mark.faults
 

@@ -1,20 +1,22 @@
 """The fault suite's fleet: the acceptance harness's `Fleet`, plus what it takes to break it on
 purpose (kill a role, flush or restart Redis, cut a role's ledger connections, run the CLI as
-a subprocess) and to judge a run afterwards (`fault_facts`)."""
+a subprocess) and to judge a run afterwards (`fault_facts`).
+
+The suite's Redis is its own (`FAULT_REDIS`, a throwaway server that tests/faults/conftest.py
+starts): flushing and restarting it disturbs nothing else, not even the rest of the session."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 import redis
 from sqlalchemy import and_, create_engine, func, select, text
@@ -33,9 +35,10 @@ from refill.models.tables import (
     StepStatus,
     WeightVersion,
 )
-from tests.support.databases import PG_ADMIN_URL
-from tests.support.fleet import REDIS_URL, REPO, Fleet
+from tests.support.databases import pg_admin_url
+from tests.support.fleet import REPO, Fleet
 from tests.support.invariants import ledger_violations
+from tests.support.services import HOST, RedisExecutor, free_port, redis_executor
 
 #: Seconds Redis keeps a delivered, unacknowledged message invisible before it delivers it
 #: again. Production keeps it at hours (refill.tasks.app.DEFAULT_VISIBILITY_TIMEOUT) so that a
@@ -47,11 +50,66 @@ from tests.support.invariants import ledger_violations
 VISIBILITY_TIMEOUT_SECONDS = 6
 
 
+class FaultRedis:
+    """The fault suite's own Redis on 127.0.0.1:`port`, keeping nothing on disk."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.url = f"redis://{HOST}:{port}/0"
+        self.executor: RedisExecutor | None = None
+
+    @contextmanager
+    def running(self, workdir: Path) -> Iterator[str]:
+        """Start it (its socket, log and pid file in `workdir`); stop it at the end."""
+        self.executor = redis_executor(self.port, workdir)
+        self.executor.start()
+        try:
+            yield self.url
+        finally:
+            self.executor.stop()
+            self.executor = None
+
+    def restart(self, down_seconds: float) -> float:
+        """SHUTDOWN NOSAVE, stay down `down_seconds`, start again empty on the same port;
+        returns how long it was unreachable."""
+        if self.executor is None:
+            raise RuntimeError("the fault suite's Redis is not running (tests/faults/conftest.py starts it)")
+        client = redis_client()
+        started = time.monotonic()
+        try:
+            client.shutdown(nosave=True)
+        finally:
+            client.close()
+        wait_for(lambda: not self.executor.running(), 30, "Redis shutdown")
+        self.executor.stop()  # the process is gone: this only settles the executor's books
+        time.sleep(down_seconds)
+        self.executor.start()
+        wait_for(_pings, 30, "Redis start")
+        return time.monotonic() - started
+
+
+def _pings() -> bool:
+    client = redis_client()
+    try:
+        return bool(client.ping())
+    except redis.ConnectionError:
+        return False
+    finally:
+        client.close()
+
+
+#: Its port is fixed when this module loads, long before the server starts: the suite's modules
+#: read REDIS_URL as pytest collects them.
+FAULT_REDIS = FaultRedis(free_port())
+REDIS_URL = FAULT_REDIS.url
+
+
 class ChaosFleet(Fleet):
-    """A `Fleet` whose workers can be started with extra environment and restarted by role."""
+    """A `Fleet` on the fault suite's Redis whose workers can be started with extra
+    environment and restarted by role."""
 
     def __init__(self, database_url: str, workdir: Path, *, env: dict[str, str] | None = None) -> None:
-        super().__init__(database_url, workdir)
+        super().__init__(database_url, workdir, redis_url=REDIS_URL)
         self.env.update(env or {})
         self.roles: dict[str, str] = {}  # worker name -> role
         self.special: set[str] = set()  # workers started with extra environment (chaos knobs)
@@ -266,40 +324,19 @@ def progress(ledger: Ledger, run_id: int) -> Any:
 
 
 def redis_client() -> redis.Redis:
+    """A client of the fault suite's Redis."""
     return redis.Redis.from_url(REDIS_URL)
 
 
-def redis_start_command() -> list[str]:
-    """How .ci/run starts Redis, on the test Redis's port."""
-    port = urlparse(REDIS_URL).port or 6379
-    return [
-        "redis-server", "--daemonize", "yes", "--bind", "127.0.0.1", "-::1", "--port", str(port),
-        "--save", "", "--appendonly", "no", "--dir", "/var/lib/redis",
-        "--logfile", "/var/log/redis/ci.log",
-    ]
-
-
 def restart_redis(down_seconds: float = 2.0) -> float:
-    """`redis-cli shutdown nosave`, stay down `down_seconds`, start it again as .ci/run does;
-    returns how long it was unreachable."""
-    parsed = urlparse(REDIS_URL)
-    cli = ["redis-cli", "-h", parsed.hostname or "127.0.0.1", "-p", str(parsed.port or 6379)]
-    started = time.monotonic()
-    # redis-cli reports the dropped connection of a successful shutdown as an error; what
-    # matters is that the server is gone.
-    subprocess.run([*cli, "shutdown", "nosave"], capture_output=True, timeout=30)
-    wait_for(lambda: subprocess.run([*cli, "ping"], capture_output=True).returncode != 0, 30, "Redis shutdown")
-    time.sleep(down_seconds)
-    os.makedirs("/var/lib/redis", exist_ok=True)
-    os.makedirs("/var/log/redis", exist_ok=True)
-    subprocess.run(redis_start_command(), check=True, capture_output=True, timeout=30)
-    wait_for(lambda: subprocess.run([*cli, "ping"], capture_output=True).stdout.strip() == b"PONG", 30, "Redis start")
-    return time.monotonic() - started
+    """Restart the fault suite's Redis (`FaultRedis.restart`); returns how long it was
+    unreachable."""
+    return FAULT_REDIS.restart(down_seconds)
 
 
 def terminate_backends(application_name: str) -> int:
     """`pg_terminate_backend` on every connection named `application_name`; returns how many."""
-    engine = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    engine = create_engine(pg_admin_url(), isolation_level="AUTOCOMMIT")
     try:
         with engine.connect() as conn:
             return len(
@@ -477,6 +514,8 @@ def assert_nothing_lost(facts: FaultFacts, *, steps: int) -> None:
 
 
 __all__ = [
+    "FAULT_REDIS",
+    "REDIS_URL",
     "REPO",
     "ChaosFleet",
     "FaultFacts",

@@ -1,5 +1,8 @@
 """Throw-away ledgers for tests: a fresh PostgreSQL database per test session (so that
-concurrent test sessions on one server never share state) and a fresh SQLite file per test."""
+concurrent test sessions on one server never share state) and a fresh SQLite file per test.
+
+The server is the test session's (tests/support/services.py): the one REFILL_TEST_PG_URL names,
+which the session sets to its throwaway server when it was not set."""
 
 from __future__ import annotations
 
@@ -11,25 +14,31 @@ from contextlib import contextmanager
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
-#: An admin URL of the test PostgreSQL server (any database; we create our own next to it).
-PG_ADMIN_URL = os.environ.get(
-    "REFILL_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
-)
+#: Outside a test session (the benchmarks), with REFILL_TEST_PG_URL unset: the local server.
+DEFAULT_PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+
+
+def pg_admin_url() -> str:
+    """An admin URL of the test PostgreSQL server (any database; we create our own next to
+    it). Read at each call: the session sets the variable once its server is up."""
+    return os.environ.get("REFILL_TEST_PG_URL") or DEFAULT_PG_URL
 
 
 @contextmanager
 def temporary_pg_database(prefix: str = "refill_test") -> Iterator[str]:
     name = f"{prefix}_{os.getpid()}_{uuid.uuid4().hex[:8]}"
-    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    admin_url = pg_admin_url()
+    admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
     try:
         with admin.connect() as conn:
             conn.execute(text(f'CREATE DATABASE "{name}"'))
     except Exception as error:  # noqa: BLE001 - re-raised with the fix
         raise RuntimeError(
-            f"cannot create a test database on {make_url(PG_ADMIN_URL).render_as_string()}: "
-            f"{error}. Start PostgreSQL (see .ci/run) or point REFILL_TEST_PG_URL at a server."
+            f"cannot create a test database on {make_url(admin_url).render_as_string()}: "
+            f"{error}. Unset REFILL_TEST_PG_URL for a throwaway server, or point it at a "
+            "server where this user may create databases."
         ) from error
-    url = make_url(PG_ADMIN_URL).set(database=name).render_as_string(hide_password=False)
+    url = make_url(admin_url).set(database=name).render_as_string(hide_password=False)
     try:
         yield url
     finally:

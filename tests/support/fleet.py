@@ -1,8 +1,9 @@
 """A real fleet for acceptance and fault tests: `refill worker ROLE` subprocesses (real
-`celery worker` processes) on the machine's Redis and a test PostgreSQL database.
+`celery worker` processes) on the test session's Redis and a test PostgreSQL database.
 
 Every test session gets its own Redis key prefix (REFILL_BROKER_PREFIX), so concurrent
-sessions on one Redis never see each other's messages.
+sessions on one Redis never see each other's messages. The Redis is the test session's
+(tests/support/services.py) unless a fleet is given its own (the fault suite's).
 """
 
 from __future__ import annotations
@@ -27,8 +28,16 @@ from refill.tasks.app import make_app
 from refill.tasks.controller import Controller
 from refill.tasks.setup import create_run_from_config
 
-REDIS_URL = os.environ.get("REFILL_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+#: Outside a test session (the benchmarks), with REFILL_TEST_REDIS_URL unset: the local server.
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 REPO = Path(__file__).resolve().parents[2]
+
+
+def session_redis_url() -> str:
+    """The test session's Redis. Read at each call: the session sets the variable once its
+    server is up, after this module is imported."""
+    return os.environ.get("REFILL_TEST_REDIS_URL") or DEFAULT_REDIS_URL
+
 
 #: A small simulated run: the knobs the fleet tests vary start from here.
 SIM_CONFIG: dict[str, Any] = {
@@ -73,14 +82,17 @@ def merged(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
 class Fleet:
     """Worker subprocesses of one test session, and the environment they share."""
 
-    def __init__(self, database_url: str, workdir: Path, prefix: str | None = None) -> None:
+    def __init__(
+        self, database_url: str, workdir: Path, prefix: str | None = None, redis_url: str | None = None
+    ) -> None:
         self.database_url = database_url
+        self.redis_url = redis_url or session_redis_url()
         self.workdir = workdir
         self.prefix = prefix or f"refill-test-{uuid.uuid4().hex[:8]}:"
         self.env = dict(os.environ)
         self.env.update(
             REFILL_DATABASE_URL=database_url,
-            REFILL_BROKER_URL=REDIS_URL,
+            REFILL_BROKER_URL=self.redis_url,
             REFILL_BROKER_PREFIX=self.prefix,
             PYTHONUNBUFFERED="1",
             # Custom samplers and reward functions must be importable on the fleet; the tests'
@@ -131,7 +143,7 @@ class Fleet:
     @property
     def app(self):  # type: ignore[no-untyped-def]
         if self._app is None:
-            self._app = make_app(REDIS_URL, name="refill-test-controller", key_prefix=self.prefix)
+            self._app = make_app(self.redis_url, name="refill-test-controller", key_prefix=self.prefix)
         return self._app
 
     def config(self, overrides: dict[str, Any] | None = None, name: str = "fleet-test") -> Any:
@@ -180,14 +192,14 @@ def fleet(database_url: str, workdir: Path, roles: tuple[str, ...] = ("generate"
                 process.kill()
                 process.wait(10)
         f.workers.clear()
-        purge_prefix(f.prefix)
+        purge_prefix(f.prefix, f.redis_url)
 
 
-def purge_prefix(prefix: str) -> None:
-    """Delete this session's keys from Redis."""
+def purge_prefix(prefix: str, url: str | None = None) -> None:
+    """Delete this session's keys from Redis (`url`, or the session's)."""
     import redis
 
-    client = redis.Redis.from_url(REDIS_URL)
+    client = redis.Redis.from_url(url or session_redis_url())
     keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
     if keys:
         client.delete(*keys)
