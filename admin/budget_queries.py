@@ -15,7 +15,7 @@ from refill.admin.snapshot import get_run, get_step
 from refill.models.tables import Attempt, Slot, StepMetrics
 
 
-def measured_zero_variance(session: Session, run_id: int) -> tuple[int, int]:
+def zero_variance_from_attempts(session: Session, run_id: int) -> tuple[int, int]:
     """(zero-variance groups, finished groups) over every attempt of the run so far."""
     zero, total = session.execute(
         select(func.count().filter(Attempt.zero_variance.is_(True)), func.count()).where(
@@ -39,7 +39,7 @@ def budget_report(
     if step is not None:
         get_step(session, run_id, step)
     settings = LedgerSettings.from_config(run.config)
-    zero, total = measured_zero_variance(session, run_id)
+    zero, total = zero_variance_from_attempts(session, run_id)
     p = zero / total if total else None
     budget = settings.filter_budget
     n_slots = settings.num_prompts_per_step
@@ -166,7 +166,7 @@ def budget_risk(session: Session, run_id: int) -> BudgetRisk | None:
         return None
     run = get_run(session, run_id)
     settings = LedgerSettings.from_config(run.config)
-    zero, total = measured_zero_variance(session, run_id)
+    zero, total = zero_variance_from_attempts(session, run_id)
     p = zero / total if total else 0.0
     n, steps = settings.num_prompts_per_step, settings.max_num_steps
     return BudgetRisk(

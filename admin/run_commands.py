@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -25,6 +25,9 @@ from refill.admin.console import (
     redact_url,
     warn,
 )
+
+if TYPE_CHECKING:
+    from refill.config import RunConfig
 
 run_app = typer.Typer(help="Start, resume and stop runs.", no_args_is_help=True)
 
@@ -75,6 +78,7 @@ def resume(
 ) -> None:
     """Continue a run whose controller stopped (crashed, interrupted, or `refill run stop`)."""
     from refill.admin.ledger_access import open_ledger
+    from refill.config import from_snapshot
     from refill.models.tables import Run
 
     ledger = open_ledger(database_url)
@@ -82,8 +86,8 @@ def resume(
         run = session.get(Run, run_id)
         if run is None:
             fail(f"there is no run {run_id} in {redact_url(ledger.url)}", EXIT_BAD_INPUT)
-        config = dict(run.config)
-    broker = os.environ.get("REFILL_BROKER_URL") or (config.get("infra") or {}).get("broker_url")
+        config = from_snapshot(run.config, source=f"run {run_id}'s stored config")
+    broker = os.environ.get("REFILL_BROKER_URL") or config.infra.broker_url
     if broker and "***" in broker:
         fail("the run's broker URL has a password: set REFILL_BROKER_URL to resume it", EXIT_BAD_INPUT)
     _drive(ledger, run_id, broker_url=broker, config=config, detach=detach, quiet=quiet, takeover_after=0.0 if force else 30.0)
@@ -163,7 +167,7 @@ def _drive(
     run_id: int | None,
     *,
     broker_url: str | None,
-    config: Any,
+    config: RunConfig,
     detach: bool,
     quiet: bool,
     takeover_after: float = 30.0,
@@ -182,13 +186,11 @@ def _drive(
                 fail("--detach needs a fleet (REFILL_BROKER_URL); an embedded run lives in this process", EXIT_BAD_INPUT)
             from refill.tasks.embedded import embedded_fleet
 
-            generation = _section(config, "generation")
-            infra = _section(config, "infra")
             runtime = stack.enter_context(
                 embedded_fleet(
                     ledger.url,
-                    generate_concurrency=int(generation.get("groups_in_flight") or 8),
-                    consume_concurrency=int(infra.get("consumer_batch_size") or 32),
+                    generate_concurrency=config.generation.groups_in_flight,
+                    consume_concurrency=config.infra.consumer_batch_size,
                 )
             )
             ledger, app = runtime.ledger, runtime.app
@@ -242,11 +244,6 @@ def _one_torch_thread_per_role() -> None:
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(int(threads))
 
-
-def _section(config: Any, name: str) -> dict[str, Any]:
-    if isinstance(config, dict):
-        return dict(config.get(name) or {})
-    return getattr(config, name).model_dump()
 
 
 def _follow(controller: Any, *, quiet: bool) -> str:

@@ -9,7 +9,7 @@ from typing import Any
 from sqlalchemy import func, select, true
 from sqlalchemy.orm import Session
 
-from refill.admin.budget_queries import measured_zero_variance
+from refill.admin.budget_queries import zero_variance_from_attempts
 from refill.admin.progress_queries import step_metrics
 from refill.admin.snapshot import LIVE_STATES, count_by, get_run, seconds_between
 from refill.models.tables import (
@@ -69,12 +69,13 @@ def list_runs(session: Session, *, status: str | None = None, limit: int | None 
 
 def run_detail(session: Session, run_id: int) -> dict[str, Any]:
     """Everything about one run that fits on a screen: identity, knobs, position, counts."""
-    from refill.config import redact_url
+    from refill.config import from_snapshot, redact_url
     from refill.models.settings import LedgerSettings
 
     run = get_run(session, run_id)
-    settings = LedgerSettings.from_config(run.config)
-    zero, total = measured_zero_variance(session, run_id)
+    config = from_snapshot(run.config, source=f"run {run_id}'s stored config")
+    settings = LedgerSettings.from_config(config)
+    zero, total = zero_variance_from_attempts(session, run_id)
     spare = session.scalar(
         select(func.count()).where(SparePrompt.run_id == run_id, SparePrompt.taken_at.is_(None))
     )
@@ -100,8 +101,6 @@ def run_detail(session: Session, run_id: int) -> dict[str, Any]:
     )
     metrics = step_metrics(session, run_id)
     trained = [m for m in metrics if m.get("reward") is not None]
-    infra = dict((run.config or {}).get("infra") or {})
-    generation = dict((run.config or {}).get("generation") or {})
     return {
         "run_id": run.id,
         "name": run.name,
@@ -123,10 +122,10 @@ def run_detail(session: Session, run_id: int) -> dict[str, Any]:
         "max_num_steps": run.max_num_steps,
         "max_lookahead_versions": run.max_lookahead_versions,
         "num_prompts": run.num_prompts,
-        "backend": generation.get("backend"),
-        "trainer": infra.get("trainer"),
-        "database_url": redact_url(infra["database_url"]) if infra.get("database_url") else None,
-        "broker_url": redact_url(infra["broker_url"]) if infra.get("broker_url") else None,
+        "backend": config.generation.backend,
+        "trainer": config.infra.trainer,
+        "database_url": redact_url(config.infra.database_url),
+        "broker_url": redact_url(config.infra.broker_url),
         "use_dynamic_sampling": settings.use_dynamic_sampling,
         "filter_budget": settings.filter_budget,
         "zero_variance_tolerance": settings.zero_variance_tolerance,

@@ -25,7 +25,7 @@ def test_budget_risk_follows_the_measured_zero_variance_fraction(ledger) -> None
 
 
 def _p(session, run_id):  # type: ignore[no-untyped-def]
-    from refill.admin.budget_queries import measured_zero_variance
+    from refill.admin.budget_queries import zero_variance_from_attempts
 
-    zero, total = measured_zero_variance(session, run_id)
+    zero, total = zero_variance_from_attempts(session, run_id)
     return zero / total
