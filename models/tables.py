@@ -197,6 +197,9 @@ class Run(Base):
     stop_requested: Mapped[bool] = mapped_column(Boolean, default=False)
     controller_id: Mapped[str | None] = mapped_column(String(200))
     controller_seen_at: Mapped[datetime | None]
+    # The last step each experiment tracker was given ({"tensorboard": 7, ...}; refill.tracking):
+    # after a crash the next controller goes on from there, so no step is logged twice or skipped.
+    tracked_steps: Mapped[dict[str, Any] | None]
 
 
 class Prompt(Base):
