@@ -17,7 +17,7 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 from collections import deque
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 
 from sqlalchemy import and_, bindparam, event, func, insert, inspect, or_, select, update
 from sqlalchemy.orm import Session
@@ -25,6 +25,8 @@ from sqlalchemy.orm.attributes import NO_VALUE, flag_modified, set_committed_val
 from sqlalchemy.orm.util import identity_key
 
 from refill.models.bulk_update import write_changed_rows
+from refill.models.clock import ledger_now
+from refill.models.clock import utcnow as utcnow  # re-exported: where its importers find it
 from refill.models.db import lock_run
 from refill.models.ids import IdBlocks
 from refill.models.samplers import GroupView, Sampler
@@ -147,10 +149,6 @@ def _slot_index(slot: Slot) -> int:
     return slot.idx
 
 
-def utcnow() -> datetime:
-    return datetime.now(UTC)
-
-
 @dataclass
 class RunContext:
     session: Session
@@ -216,7 +214,9 @@ class RunContext:
             event.listen(session, "before_flush", _before_flush)
         run = lock_run(session, run_id)
         settings = settings_for(run)
-        ctx = cls(session, run, settings, settings.sampler(), now or utcnow(), ids=IdBlocks.for_session(session))
+        # The database's clock unless the caller brings its own (a test's, a simulation's).
+        now = now or ledger_now(session)
+        ctx = cls(session, run, settings, settings.sampler(), now, ids=IdBlocks.for_session(session))
         session.info["refill_contexts"].append(ctx)
         return ctx
 

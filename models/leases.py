@@ -4,18 +4,24 @@ reaper turns an expired one into an infra failure (SPEC §3.6).
 The worker-side calls are single-row conditional updates and do not take the run lock: a
 heartbeat for an attempt that is no longer running simply changes nothing, which tells the
 worker to give up.
+
+Every lease is written and judged on the database's clock (refill.models.clock), never on the
+worker's; and a lease that ran out while the database itself was down or unreachable is not
+judged until its holder has had a full lease to renew it (`expire_leases`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from sqlalchemy import case, select, update
 from sqlalchemy.orm import Session
 
 from refill.models.barrier import queue_training
-from refill.models.context import RunContext, utcnow
+from refill.models.clock import ledger_now, ledger_up_seconds
+from refill.models.context import RunContext
 from refill.models.settings import settings_for
 from refill.models.slots import RunFailed, infra_failure, lost_in_queue
 from refill.models.tables import (
@@ -38,6 +44,9 @@ class Lease:
     #: the message was sent, when the attempt was handed to a later step)
     min_weight_version: int
     lease_seconds: float
+    #: when the worker got it (its monotonic clock): a worker that finds it went a whole lease
+    #: without renewing it (it was frozen) checks it before trusting it
+    taken_at: float = field(default_factory=time.monotonic, compare=False)
 
 
 def start_attempt(
@@ -50,7 +59,7 @@ def start_attempt(
     with anything older than the returned minimum, so recording the larger of the two tells a
     later re-aim how stale this generation can be at worst.
     """
-    now = now or utcnow()
+    now = now or ledger_now(session)
     found = session.execute(
         select(Attempt.run_id, Run.status, Run.id).join(Run, Run.id == Attempt.run_id).where(Attempt.id == attempt_id)
     ).first()
@@ -102,7 +111,7 @@ def start_attempts(
     """
     if not attempt_ids:
         return {}
-    now = now or utcnow()
+    now = now or ledger_now(session)
     floor = engine_version if engine_version is not None else 0
     table = Attempt.__table__
     runs = Run.__table__
@@ -132,7 +141,7 @@ def start_attempts(
 
 def extend_lease(session: Session, attempt_id: int, worker: str, seconds: float, now: datetime | None = None) -> bool:
     """Heartbeat: push the lease out; False when the attempt is no longer ours."""
-    now = now or utcnow()
+    now = now or ledger_now(session)
     return bool(
         session.execute(
             update(Attempt)
@@ -155,28 +164,62 @@ class Reaped:
     failed: str | None = None
 
 
-def expire_leases(session: Session, run_id: int, now: datetime | None = None) -> Reaped:
+def expire_leases(
+    session: Session, run_id: int, now: datetime | None = None, reachable_for: float | None = None
+) -> Reaped:
     """Expired generation leases become infra failures (retried, replaced or shrunk); an
-    expired trainer lease sends the step to the trainer again."""
+    expired trainer lease sends the step to the trainer again.
+
+    A lease is judged only once the ledger has been reachable for a whole lease of its kind
+    (generation.lease_seconds for a running attempt, generation.queue_timeout_seconds for a
+    queued one, infra.trainer_lease_seconds for a step): while the database was down nobody
+    could renew a lease, so one that ran out meanwhile says nothing about its holder, and a
+    live holder renews it within a heartbeat of the database's return. The ledger counts as
+    reachable since the database server last started and, when the caller says so, for the
+    last `reachable_for` seconds (the controller's own view: an outage without a restart).
+    With an explicit `now` (a test's or a simulation's clock) only `reachable_for` applies.
+    """
     ctx = RunContext.open(session, run_id, now)
     reaped = Reaped(outbox_ids=[])
     if not ctx.running:
         return reaped
+    up = [reachable_for] if reachable_for is not None else []
+    if now is None:
+        server_up = ledger_up_seconds(session)
+        if server_up is not None:
+            up.append(server_up)
+    up_for = min(up, default=None)
+
+    def judged(lease_seconds: float) -> bool:
+        return up_for is None or up_for >= lease_seconds
+
+    states = [
+        state
+        for state, length in (
+            (AttemptState.QUEUED.value, ctx.settings.queue_timeout_seconds),
+            (AttemptState.RUNNING.value, ctx.settings.lease_seconds),
+        )
+        if judged(length)
+    ]
     # Lock the expired rows as they are read: a heartbeat (extend_lease) or a worker taking
     # the lease (start_attempt) does not take the run lock, and without the row lock it could
     # commit between this read and the write below, and be told it holds an attempt that is
     # then failed anyway. With it, whichever goes first wins and the other sees its result.
-    expired = list(
-        session.scalars(
-            select(Attempt)
-            .where(
-                Attempt.run_id == run_id,
-                Attempt.state.in_([AttemptState.QUEUED.value, AttemptState.RUNNING.value]),
-                Attempt.leased_until < ctx.now,
+    expired = (
+        list(
+            session.scalars(
+                select(Attempt)
+                .where(
+                    Attempt.run_id == run_id,
+                    Attempt.state.in_(states),
+                    Attempt.leased_until < ctx.now,
+                )
+                .order_by(Attempt.id)
+                .with_for_update()
             )
-            .order_by(Attempt.id)
-            .with_for_update()
         )
+        if states
+        else []
     )
     try:
         for attempt in expired:
@@ -199,16 +242,20 @@ def expire_leases(session: Session, run_id: int, now: datetime | None = None) ->
     except RunFailed as failure:
         reaped.failed = str(failure)
     # Locked as read, for the reason above: extend_training_lease takes no run lock.
-    stuck = list(
-        session.scalars(
-            select(Step)
-            .where(
-                Step.run_id == run_id,
-                Step.status == StepStatus.TRAINING.value,
-                Step.trainer_lease_until < ctx.now,
+    stuck = (
+        list(
+            session.scalars(
+                select(Step)
+                .where(
+                    Step.run_id == run_id,
+                    Step.status == StepStatus.TRAINING.value,
+                    Step.trainer_lease_until < ctx.now,
+                )
+                .with_for_update()
             )
-            .with_for_update()
         )
+        if judged(ctx.settings.trainer_lease_seconds)
+        else []
     )
     for step in stuck:
         step.status = StepStatus.RELEASED.value

@@ -10,6 +10,7 @@ set says so in its log at WARNING level when its runtime is built.
 | --- | --- | --- |
 | `REFILL_CHAOS_DUPLICATE_RESULTS=1` | generation worker | sends every result message twice |
 | `REFILL_CHAOS_CONSUMER_HANG_AFTER_RESULTS=N` | results consumer | once N results are recorded, the next batch is written into its transaction and then held there, uncommitted, forever (log line `chaos: holding ... uncommitted`); the suite SIGKILLs the consumer there to prove the batch rolls back and its messages come back |
+| `REFILL_CHAOS_CLOCK_OFFSET_SECONDS=S` | any worker | shifts the process's own clock (`refill.models.clock.utcnow`) by S seconds, as on a machine whose clock is off; the suite proves that no lease or time-out is decided on it |
 
 Malformed generation output (wrong group size, oversized payloads) is injected through the
 `sim` back-end's own knobs (`generation.sim.wrong_group_size_rate`,
@@ -23,11 +24,14 @@ import os
 import threading
 from collections.abc import Sequence
 
+from refill.models.clock import set_clock_offset
+
 log = logging.getLogger(__name__)
 
 DUPLICATE_RESULTS = "REFILL_CHAOS_DUPLICATE_RESULTS"
 CONSUMER_HANG_AFTER_RESULTS = "REFILL_CHAOS_CONSUMER_HANG_AFTER_RESULTS"
-KNOBS = (DUPLICATE_RESULTS, CONSUMER_HANG_AFTER_RESULTS)
+CLOCK_OFFSET_SECONDS = "REFILL_CHAOS_CLOCK_OFFSET_SECONDS"
+KNOBS = (DUPLICATE_RESULTS, CONSUMER_HANG_AFTER_RESULTS, CLOCK_OFFSET_SECONDS)
 
 
 def _flag(name: str) -> bool:
@@ -40,11 +44,17 @@ def _count(name: str) -> int | None:
 
 
 def announce() -> None:
-    """Warn, once per process, about every knob that is set."""
+    """Warn, once per process, about every knob that is set; apply the clock's offset."""
     for name in KNOBS:
         if os.environ.get(name, "").strip():
             log.warning("chaos: %s=%s is set; this process injects faults (never in production)",
                         name, os.environ[name])
+    offset = os.environ.get(CLOCK_OFFSET_SECONDS, "").strip()
+    if offset:
+        try:
+            set_clock_offset(float(offset))
+        except ValueError as error:
+            raise ValueError(f"{CLOCK_OFFSET_SECONDS} must be a number of seconds, got {offset!r}") from error
 
 
 def result_copies() -> int:

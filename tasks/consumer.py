@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session
 
 from refill.config import from_snapshot
 from refill.microbatcher import MicroBatcher
-from refill.models.context import utcnow
+from refill.models.clock import ledger_now
 from refill.models.db import Ledger
 from refill.models.payload import PayloadError, ResultMessage
 from refill.models.results import record_results
@@ -83,7 +83,7 @@ class ResultConsumer:
                 decoded.append((i, item))
 
         def write(session: Session):  # type: ignore[no-untyped-def]
-            now = utcnow()
+            now = ledger_now(session)
             for _, body, error in malformed:
                 session.add(
                     RejectedResult(

@@ -18,13 +18,14 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
+from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import select, update
 
 from refill.config import RunConfig, from_snapshot
 from refill.microbatcher import MicroBatcher
-from refill.models.context import utcnow
+from refill.models.clock import ledger_now
 from refill.models.db import Ledger
 from refill.models.leases import Lease, start_attempts
 from refill.models.payload import GenerateMessage, ResultMessage
@@ -162,12 +163,12 @@ class GenerationService:
         groups: dict[tuple[int, float, int | None], list[int]] = {}
         for run_id, attempt_id, seconds, version in requests:
             groups.setdefault((run_id, seconds, version), []).append(attempt_id)
-        now = utcnow()
 
         def take(session) -> dict[int, Lease]:  # type: ignore[no-untyped-def]
             taken: dict[int, Lease] = {}
             for (run_id, seconds, version), ids in groups.items():
-                taken.update(start_attempts(session, run_id, ids, self.worker, seconds, now, version))
+                # On the database's clock (now=None), never this machine's.
+                taken.update(start_attempts(session, run_id, ids, self.worker, seconds, None, version))
             return taken
 
         taken = self.ledger.transaction(take, what="lease handshake")
@@ -289,6 +290,9 @@ class LeaseKeeper:
         self.ledger = ledger
         self.worker = worker
         self._held: dict[int, float] = {}
+        #: when each held lease was last known renewed (taken, or extended by a beat that
+        #: started then), on this process's monotonic clock
+        self._renewed: dict[int, float] = {}
         self._interval = 10.0
         self._cond = threading.Condition()
         self._closed = False
@@ -298,24 +302,61 @@ class LeaseKeeper:
     def hold(self, lease: Lease, heartbeat_seconds: float) -> None:
         with self._cond:
             self._held[lease.attempt_id] = lease.lease_seconds
+            self._renewed[lease.attempt_id] = lease.taken_at
             # Never let a lease run out between two beats.
             self._interval = min(heartbeat_seconds, lease.lease_seconds / 3)
             self._cond.notify()
 
     def release(self, attempt_id: int) -> None:
         with self._cond:
-            self._held.pop(attempt_id, None)
+            seconds = self._held.pop(attempt_id, None)
+            renewed = self._renewed.pop(attempt_id, None)
+        if seconds is None or renewed is None or time.monotonic() - renewed <= seconds:
+            return
+        # A whole lease went by without a renewal: this process was frozen (SIGSTOP, a long
+        # GC pause, a stuck call, a VM migration) or starved. The reaper may have taken the
+        # attempt back meanwhile; ask before the result goes out, so that this worker knows
+        # (the ledger refuses that result as late whatever the worker believes).
+        stalled = time.monotonic() - renewed
+        try:
+            still_ours = attempt_id in self._extend({attempt_id: seconds})
+        except Exception as error:  # noqa: BLE001 - the ledger judges the result anyway
+            log.warning("attempt %s: could not check its lease after %.0fs without a renewal: %r", attempt_id, stalled, error)
+            return
+        if not still_ours:
+            log.warning(
+                "lease of attempt %s expired while this process went %.0fs without renewing it "
+                "(lease %.0fs) and was re-dispatched; its result will be refused as late",
+                attempt_id, stalled, seconds,
+            )
 
     def beat(self) -> int:
         with self._cond:
             held = dict(self._held)
         if not held:
             return 0
-        now = utcnow()
+        started = time.monotonic()
+        extended = self._extend(held)
+        with self._cond:
+            for attempt_id in extended:
+                if attempt_id in self._renewed:
+                    self._renewed[attempt_id] = started
+            # An attempt released while the beat ran finished normally; only those still
+            # held and not extended were taken from us.
+            lost = [a for a in held if a not in extended and a in self._held]
+        if lost:
+            log.warning(
+                "leases of attempts %s expired and were re-dispatched; their results will be refused as late",
+                lost,
+            )
+        return len(extended)
+
+    def _extend(self, held: dict[int, float]) -> set[int]:
+        """Push out the leases of `held` (attempt -> lease seconds) that are still ours, from
+        the database's clock; returns the attempts extended."""
 
         def extend(session) -> set[int]:  # type: ignore[no-untyped-def]
-            from datetime import timedelta
-
+            now = ledger_now(session)
             extended: set[int] = set()
             for seconds in set(held.values()):
                 ids = [a for a, s in held.items() if s == seconds]
@@ -334,17 +375,7 @@ class LeaseKeeper:
                 )
             return extended
 
-        extended = self.ledger.transaction(extend, what="lease heartbeat")
-        with self._cond:
-            # An attempt released while the beat ran finished normally; only those still
-            # held and not extended were taken from us.
-            lost = [a for a in held if a not in extended and a in self._held]
-        if lost:
-            log.warning(
-                "leases of attempts %s expired and were re-dispatched; their results will be refused as late",
-                lost,
-            )
-        return len(extended)
+        return self.ledger.transaction(extend, what="lease heartbeat")
 
     def _run(self) -> None:
         last = time.monotonic()

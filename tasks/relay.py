@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 from celery import Celery
 
-from refill.models.context import utcnow
+from refill.models.clock import ledger_now
 from refill.models.db import Ledger
 from refill.models.outbox import Outgoing, claim_outbox, mark_sent
 from refill.tasks.queues import TASK_GENERATE, TASK_TRAIN_STEP
@@ -87,7 +87,7 @@ def relay(
         return 0
 
     def send(session) -> int:  # type: ignore[no-untyped-def]
-        now = utcnow()
+        now = ledger_now(session)  # due times are the ledger's, not this machine's
         messages = claim_outbox(session, claimer=claimer, now=now, limit=limit, ids=ids, run_id=run_id)
         sent = publish(app, messages)
         mark_sent(session, messages, now)
