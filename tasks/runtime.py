@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 
-from refill.models.db import Ledger
 from refill.tasks import chaos
+from refill.tasks.outage import PatientLedger
 
 if TYPE_CHECKING:
     from refill.tasks.consumer import ResultConsumer
@@ -34,7 +34,8 @@ class Runtime:
     def __init__(self, app: Celery, database_url: str, worker_name: str | None = None) -> None:
         self.app = app
         self.worker_name = worker_name or default_worker_name()
-        self.ledger = Ledger(database_url, application_name=f"refill:{self.worker_name}")
+        # Waits out an outage of the database instead of failing the task in hand.
+        self.ledger = PatientLedger(database_url, application_name=f"refill:{self.worker_name}")
         self._lock = threading.Lock()
         self._generation: GenerationService | None = None
         self._consumer: ResultConsumer | None = None
