@@ -1,6 +1,7 @@
-"""The GRPO/DAPO trainer: one optimizer step per released step batch.
+"""The GRPO/DAPO trainer: one training step per released step batch, made of one or more
+optimizer updates (mini-batches, `refill.trainer.minibatches`).
 
-Versions and steps: weight version `v` is the model after `v` optimizer steps; version 0 is
+Versions and steps: weight version `v` is the model after `v` training steps; version 0 is
 the initial model (`prepare_initial_weights`). Steps are numbered from 0, and training step
 `s` takes the trainer from version `s` to `s + 1`. So a fleet loop is
 
@@ -12,7 +13,9 @@ the initial model (`prepare_initial_weights`). Steps are numbered from 0, and tr
         trainer.checkpoint(s + 1)
 
 A group generated with version `w` and trained in step `s` is `s - w` versions stale; that
-must lie in [0, async_rl.max_lookahead_versions].
+must lie in [0, async_rl.max_lookahead_versions]. Its tokens carry the truncated weight
+pi_old / pi_sampling (`refill.trainer.loss`), pi_old being version `s` before the step's first
+update, so several updates per step and stale groups are one decoupled PPO objective.
 """
 
 from __future__ import annotations
@@ -35,14 +38,16 @@ from refill.model_loading import (
 from refill.models.payload import TrainGroup
 from refill.trainer import checkpoints
 from refill.trainer.advantages import group_advantages, shape_rewards
-from refill.trainer.loss import dapo_loss
-from refill.trainer.sequence_batches import TrainSequence, collate, pack, score
+from refill.trainer.loss import dapo_loss, raw_importance_weights
+from refill.trainer.minibatches import MiniBatch, StepSums, split_into_mini_batches
+from refill.trainer.sequence_batches import TrainSequence, score
 from refill.trainer.settings import TrainerConfig, read_settings
 from refill.trainer.weights import atomic_directory, save_model_dir, weights_dir
 
 
 def lr_multiplier(step: int, settings: TrainerConfig) -> float:
-    """The LR factor for optimizer step `step` (0-based): linear warm-up, then the schedule."""
+    """The LR factor for training step `step` (0-based), which every update of the step uses:
+    linear warm-up, then the schedule."""
     opt = settings.optimizer
     if opt.warmup_steps and step < opt.warmup_steps:
         return (step + 1) / opt.warmup_steps
@@ -229,7 +234,10 @@ class GRPOTrainer:
         return sequences
 
     def train_step(self, step: int, groups: list[TrainGroup]) -> dict[str, float]:
-        """One optimizer step over all of `groups`; the trainer moves to version `step + 1`."""
+        """Train step `step` on `groups`: one optimizer update per mini-batch and pass (one in
+        all unless `optimizer.groups_per_update` / `passes_per_step` say otherwise), every
+        update clipped against the log-probs of the weights the step started from. The
+        trainer moves to version `step + 1`; the LR schedule advances once."""
         current = self._require_version("train_step")
         if step != current:
             raise ValueError(
@@ -244,53 +252,106 @@ class GRPOTrainer:
         step_tokens = sum(len(seq.completion_ids) for seq in sequences)
         if step_tokens == 0:
             raise ValueError(f"step {step}: every completion is empty, nothing to train on")
-        pad_id = self.tokenizer.pad_token_id
-        plan = pack([seq.length for seq in sequences], s.optimizer.micro_batch_tokens)
-        batches = [collate([sequences[i] for i in idx], pad_id) for idx in plan]
+        mini_batches = split_into_mini_batches(
+            sequences,
+            [g.attempt_id for g in groups],
+            s.optimizer.groups_per_update,
+            s.optimizer.micro_batch_tokens,
+            self.tokenizer.pad_token_id,
+        )
+        sums = StepSums(step_tokens=float(step_tokens))
+        self._score_proximal(mini_batches, sums)
 
-        # The old policy: the current weights, before this step changes them.
+        lr = self.scheduler.get_last_lr()[0]
+        total = len(mini_batches) * s.optimizer.passes_per_step
+        for _ in range(s.optimizer.passes_per_step):
+            for mini_batch in mini_batches:
+                self._update(step, mini_batch, sums, done=len(sums.losses), total=total)
+        self.scheduler.step()
+        self.version = step + 1
+
+        staleness = [step - g.weight_version for g in groups]
+        metrics = sums.metrics()
+        metrics.update(
+            sequences=float(len(sequences)),
+            groups=float(len(groups)),
+            mini_batches=float(len(mini_batches)),
+            micro_batches=float(sum(len(m.micro) for m in mini_batches)),
+            lr=lr,
+            staleness_mean=sum(staleness) / len(staleness),
+            staleness_max=float(max(staleness)),
+            train_seconds=time.perf_counter() - started,
+        )
+        if self.reference is not None:
+            metrics["kl"] = sums.kl / sums.visited
+        return metrics
+
+    def _score_proximal(self, mini_batches: list[MiniBatch], sums: StepSums) -> None:
+        """Score every micro-batch once with the weights the step starts from (the proximal
+        policy) and the reference, before any update; add the step's once-per-token sums."""
+        s = self.settings
         temperature = s.generation.temperature
+        correct = s.loss.use_importance_sampling_correction
+        # The engines record log-probs after top-p as well; the weight's numerator must be
+        # scored the same way, or every weight is biased by the nucleus mass.
+        top_p = s.generation.top_p if correct else 1.0
         with torch.no_grad():
-            old = [score(self.model, b, temperature, self.device, False).logprobs for b in batches]
-            ref = None
-            if self.reference is not None:
-                ref = [
-                    score(self.reference, b, temperature, self.device, False).logprobs
-                    for b in batches
-                ]
+            for mini_batch in mini_batches:
+                for batch in mini_batch.micro:
+                    scored = score(self.model, batch, temperature, self.device, True, top_p)
+                    mask = batch.completion_mask.to(self.device)
+                    mini_batch.old.append(scored.logprobs)
+                    mini_batch.old_processed.append(scored.processed)
+                    ref = None
+                    if self.reference is not None:
+                        ref = score(self.reference, batch, temperature, self.device, False).logprobs
+                    mini_batch.ref.append(ref)
+                    sums.entropy += float((scored.entropy * mask).sum())
+                    adv = batch.advantages.to(self.device).abs().unsqueeze(1)
+                    sums.advantage_abs += float((adv * mask).sum())
+                    if not correct:
+                        sums.importance_weight += float(mask.sum())
+                        continue
+                    numerator = scored.logprobs if scored.processed is None else scored.processed
+                    raw = raw_importance_weights(
+                        numerator, batch.sampling_logprobs.to(self.device)
+                    )
+                    cap = s.loss.truncated_importance_sampling_ratio
+                    kept = raw if cap is None else raw.clamp(max=cap)
+                    sums.importance_weight += float((kept * mask).sum())
+                    if cap is not None:
+                        sums.truncated += float(((raw > cap).to(mask.dtype) * mask).sum())
 
-        totals = dict(tokens=0.0, low=0.0, high=0.0, kl=0.0, iw=0.0, adv=0.0, entropy=0.0)
+    def _update(
+        self, step: int, mini_batch: MiniBatch, sums: StepSums, *, done: int, total: int
+    ) -> None:
+        """One optimizer update on `mini_batch`, its gradient accumulated over micro-batches
+        and normalised by the mini-batch's own token (or sequence) count."""
+        s = self.settings
+        correct = s.loss.use_importance_sampling_correction
         loss_total = 0.0
         self.optimizer.zero_grad(set_to_none=True)
-        for i, batch in enumerate(batches):
-            scored = score(self.model, batch, temperature, self.device)
-            mask = batch.completion_mask.to(self.device)
+        for i, batch in enumerate(mini_batch.micro):
+            scored = score(self.model, batch, s.generation.temperature, self.device, False)
             terms = dapo_loss(
                 scored.logprobs,
-                old[i],
+                mini_batch.old[i],
                 batch.advantages.to(self.device),
-                mask,
+                batch.completion_mask.to(self.device),
                 eps_low=s.loss.ratio_clip_min,
                 eps_high=s.loss.ratio_clip_max,
                 token_level=s.loss.token_level_loss,
-                step_tokens=float(step_tokens),
-                step_sequences=float(len(sequences)),
-                logp_sampling=batch.sampling_logprobs.to(self.device)
-                if s.loss.use_importance_sampling_correction
-                else None,
+                step_tokens=float(mini_batch.tokens),
+                step_sequences=float(len(mini_batch.sequences)),
+                logp_sampling=batch.sampling_logprobs.to(self.device) if correct else None,
                 truncation=s.loss.truncated_importance_sampling_ratio,
-                logp_ref=ref[i] if ref is not None else None,
+                logp_ref=mini_batch.ref[i],
                 kl_coef=s.loss.reference_policy_kl_penalty,
+                logp_old_processed=mini_batch.old_processed[i],
             )
             terms.loss.backward()
             loss_total += float(terms.loss.detach())
-            totals["tokens"] += terms.tokens
-            totals["low"] += terms.clipped_low
-            totals["high"] += terms.clipped_high
-            totals["kl"] += terms.kl_sum
-            totals["iw"] += terms.importance_weight_sum
-            totals["adv"] += terms.advantage_abs_sum
-            totals["entropy"] += float((scored.entropy * mask).sum())
+            sums.add_update_terms(terms)
 
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = s.optimizer.max_grad_norm
@@ -300,36 +361,21 @@ class GRPOTrainer:
             grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in params]))
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
+            if done == 0:
+                raise FloatingPointError(
+                    f"step {step}: the gradient norm is {grad_norm}; the weights were not "
+                    "updated (lower optimizer.lr, or check the rewards and log-probs of this "
+                    "batch)"
+                )
+            # The step's earlier updates are in the weights: they are no version at all.
+            self.version = None
             raise FloatingPointError(
-                f"step {step}: the gradient norm is {grad_norm}; the weights were not updated "
-                "(lower optimizer.lr, or check the rewards and log-probs of this batch)"
+                f"step {step}: the gradient norm of update {done + 1} of {total} is "
+                f"{grad_norm}; the {done} update(s) before it were applied, so restore({step}) "
+                "before training the step again (lower optimizer.lr, or check the rewards and "
+                "log-probs of this batch)"
             )
-        lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
-        self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.version = step + 1
-
-        tokens = totals["tokens"]
-        staleness = [step - g.weight_version for g in groups]
-        metrics = {
-            "loss": loss_total,
-            "clip_fraction": (totals["low"] + totals["high"]) / tokens,
-            "clip_fraction_lower": totals["low"] / tokens,
-            "clip_fraction_upper": totals["high"] / tokens,
-            "entropy": totals["entropy"] / tokens,
-            "grad_norm": grad_norm,
-            "tokens": tokens,
-            "sequences": float(len(sequences)),
-            "groups": float(len(groups)),
-            "micro_batches": float(len(batches)),
-            "advantage_abs_mean": totals["adv"] / tokens,
-            "importance_weight_mean": totals["iw"] / tokens,
-            "lr": lr,
-            "staleness_mean": sum(staleness) / len(staleness),
-            "staleness_max": float(max(staleness)),
-            "train_seconds": time.perf_counter() - started,
-        }
-        if self.reference is not None:
-            metrics["kl"] = totals["kl"] / tokens
-        return metrics
+        sums.losses.append(loss_total)
+        sums.grad_norms.append(grad_norm)

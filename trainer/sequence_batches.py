@@ -1,8 +1,15 @@
 """Turning a step's groups into padded micro-batches, and scoring them with a model.
 
-A step's completions are packed into micro-batches whose padded size (sequences x longest
-sequence) stays within a token budget, so memory per forward pass is bounded whatever the
-completion lengths are. A sequence longer than the budget gets a micro-batch of its own.
+A mini-batch's completions (the sequences of one optimizer update) are packed into
+micro-batches whose padded size (sequences x longest sequence) stays within a token budget, so
+memory per forward pass is bounded whatever the completion lengths are. A sequence longer than
+the budget gets a micro-batch of its own.
+
+Scoring gives the log-prob of each next token at the sampling temperature (the policy the
+loss trains) and, when asked with `top_p < 1`, also under the engine's whole sampling transform
+(temperature, then the top-p nucleus renormalised: `processed_logprobs`, the very function the
+hf back-end samples with), which is what the engines record and so what the importance weight
+must compare against.
 """
 
 from __future__ import annotations
@@ -11,6 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from refill.tasks.backends.hf import processed_logprobs
 
 
 @dataclass
@@ -90,6 +99,9 @@ def collate(sequences: list[TrainSequence], pad_id: int) -> MicroBatch:
 class Scored:
     logprobs: torch.Tensor  # [B, L-1] log-prob of each next token
     entropy: torch.Tensor | None  # [B, L-1] entropy of each next-token distribution (no grad)
+    #: [B, L-1] log-prob under temperature and top-p (no grad; 0 outside the completion);
+    #: None unless asked for with top_p < 1.
+    processed: torch.Tensor | None = None
 
 
 def score(
@@ -98,15 +110,44 @@ def score(
     temperature: float,
     device: torch.device,
     with_entropy: bool = True,
+    top_p: float = 1.0,
 ) -> Scored:
-    """Log-probs of the actual next tokens under `model` at `temperature`, in float32."""
+    """Log-probs of the actual next tokens under `model` at `temperature`, in float32; with
+    `top_p < 1` also under the sampling transform (`Scored.processed`)."""
     input_ids = batch.input_ids.to(device)
-    logits = model(input_ids=input_ids, attention_mask=batch.attention_mask.to(device)).logits
-    logits = logits[:, :-1, :].float() / temperature
+    raw = model(input_ids=input_ids, attention_mask=batch.attention_mask.to(device)).logits
+    logits = raw[:, :-1, :].float() / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
-    logprobs = torch.gather(logp_all, 2, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    targets = input_ids[:, 1:]
+    logprobs = torch.gather(logp_all, 2, targets.unsqueeze(-1)).squeeze(-1)
     entropy = None
     if with_entropy:
         with torch.no_grad():
             entropy = -(logp_all.exp() * logp_all).sum(dim=-1)
-    return Scored(logprobs=logprobs, entropy=entropy)
+    processed = None
+    if top_p < 1:
+        with torch.no_grad():
+            processed = _processed(raw[:, :-1, :], targets, batch, temperature, top_p, device)
+    return Scored(logprobs=logprobs, entropy=entropy, processed=processed)
+
+
+def _processed(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    batch: MicroBatch,
+    temperature: float,
+    top_p: float,
+    device: torch.device,
+) -> torch.Tensor:
+    # Only completion positions: the nucleus needs a sort over the vocabulary per position.
+    where = batch.completion_mask.to(device) > 0
+    rows = logits[where]
+    count = rows.shape[0]
+    logp = processed_logprobs(
+        rows,
+        torch.full((count,), temperature, device=device),
+        torch.full((count,), top_p, device=device),
+    )
+    out = torch.zeros(targets.shape, dtype=torch.float32, device=device)
+    out[where] = logp.gather(-1, targets[where].unsqueeze(-1)).squeeze(-1)
+    return out

@@ -90,6 +90,13 @@ def validate(s: RunConfig) -> None:
         )
     if s.optimizer.micro_batch_tokens < 1:
         problems.append("optimizer.micro_batch_tokens must be >= 1")
+    if s.optimizer.groups_per_update is not None and s.optimizer.groups_per_update < 1:
+        problems.append(
+            f"optimizer.groups_per_update={s.optimizer.groups_per_update}: must be >= 1 "
+            "(null: the whole step in one update)"
+        )
+    if s.optimizer.passes_per_step < 1:
+        problems.append(f"optimizer.passes_per_step={s.optimizer.passes_per_step}: must be >= 1")
     if s.optimizer.warmup_steps < 0:
         problems.append("optimizer.warmup_steps must be >= 0")
     if s.model.dtype not in DTYPES:

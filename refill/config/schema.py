@@ -179,8 +179,22 @@ class LossConfig(_Section):
     ratio_clip_max: float = Field(0.28, ge=0)
     token_level_loss: bool = True
     reference_policy_kl_penalty: float = Field(0.0, ge=0)
-    use_importance_sampling_correction: bool = True
-    truncated_importance_sampling_ratio: float | None = Field(2.0, gt=0)
+    use_importance_sampling_correction: bool = Field(
+        True,
+        description=(
+            "Weight each token's policy-gradient term by pi_old / pi_sampling (AReaL's "
+            "decoupled PPO: the behaviour-to-proximal weight), pi_old scored with the engine's "
+            "temperature and top-p. NeMo RL: loss_fn.use_importance_sampling_correction."
+        ),
+    )
+    truncated_importance_sampling_ratio: float | None = Field(
+        2.0,
+        gt=0,
+        description=(
+            "Cap of that weight (null: no cap). NeMo RL: "
+            "loss_fn.truncated_importance_sampling_ratio."
+        ),
+    )
 
 
 class OptimizerConfig(_Section):
@@ -189,9 +203,31 @@ class OptimizerConfig(_Section):
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = Field(1e-8, gt=0)
     max_grad_norm: float = Field(1.0, gt=0)
+    # The schedule counts training steps (one per step, however many updates it makes), as
+    # verl's does, so warmup_steps and grpo.max_num_steps are in the same unit.
     warmup_steps: int = Field(0, ge=0)
     scheduler: Literal["constant", "linear", "cosine"] = "constant"
     micro_batch_tokens: int = Field(4096, ge=1)
+    groups_per_update: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Groups (prompts) per optimizer update: a training step's groups are split, in "
+            "order, into mini-batches of this many groups, one update each, all scored against "
+            "the weights the step started from, so the clip (and clip-higher) acts from the "
+            "second update on. null: the whole step in one update. verl: "
+            "actor.ppo_mini_batch_size (in prompts); NeMo RL: policy.train_global_batch_size "
+            "(in sequences) = this x grpo.num_generations_per_prompt."
+        ),
+    )
+    passes_per_step: int = Field(
+        1,
+        ge=1,
+        description=(
+            "Passes over a training step's mini-batches (updates per step = mini-batches x "
+            "passes). verl: actor.ppo_epochs; NeMo RL has no counterpart (one pass)."
+        ),
+    )
     checkpoint_every_steps: int = Field(1, ge=1)
     keep_checkpoints: int = Field(2, ge=1)
 

@@ -65,6 +65,33 @@ def test_step_does_not_depend_on_micro_batch_split(settings, tmp_path, token_lev
     _assert_same_params(_params(whole), _params(split))
 
 
+def test_mini_batch_updates_do_not_depend_on_micro_batch_split(settings, tmp_path):
+    # Gradient accumulation inside a mini-batch stays exact: each update's loss is normalised
+    # by its mini-batch's tokens, not by a micro-batch's, so splitting the micro-batches
+    # changes nothing but summation order (settings as in the test above).
+    settings.optimizer.groups_per_update = 2  # 3 groups: updates of 2 and 1 groups
+    settings.optimizer.passes_per_step = 2
+    settings.optimizer.eps = 1.0
+    settings.optimizer.lr = 0.1
+    groups = make_groups(step=0, seed=1)
+    whole = GRPOTrainer(settings, tmp_path / "run")
+    whole.restore(0)
+    split_settings = copy.deepcopy(settings)
+    split_settings.optimizer.micro_batch_tokens = 16
+    split = GRPOTrainer(split_settings, tmp_path / "run")
+    split.restore(0)
+    m_whole = whole.train_step(0, groups)
+    m_split = split.train_step(0, groups)
+    assert m_whole["updates"] == m_split["updates"] == 4
+    assert m_whole["mini_batches"] == m_whole["micro_batches"] == 2
+    assert m_split["micro_batches"] > 2
+    assert m_split["loss"] == pytest.approx(m_whole["loss"], abs=1e-6)
+    assert m_split["clip_fraction"] == m_whole["clip_fraction"]
+    # The later updates see moved weights: the ratio leaves 1.
+    assert m_whole["ratio_mean"] != 1.0
+    _assert_same_params(_params(whole), _params(split))
+
+
 def test_step_moves_the_weights_and_reports_metrics(settings, tmp_path):
     # The schema's default turns the correction on; off, every importance weight is 1.
     settings.loss.use_importance_sampling_correction = False
@@ -269,3 +296,166 @@ def test_invalid_settings_name_the_key():
         read_settings(
             SimpleNamespace(grpo=SimpleNamespace(reward_shaping=SimpleNamespace(enabled=True)))
         )
+
+
+# ------------------------------------------------------------------ mini-batches, by hand
+
+
+class _Logits(torch.nn.Module):
+    """A policy whose next-token logits are one learnable vector, whatever the input: its
+    log-probs, and so every ratio and gradient below, can be worked out by hand."""
+
+    def __init__(self, logits: list[float]):
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.tensor(logits))
+
+    def forward(self, input_ids, attention_mask=None):
+        return SimpleNamespace(logits=self.bias.expand(*input_ids.shape, -1))
+
+
+def _hand_trainer(settings, run_dir, logits: list[float], lr: float) -> GRPOTrainer:
+    trainer = GRPOTrainer(settings, run_dir)
+    trainer.restore(0)
+    trainer.model = _Logits(logits)
+    # Plain SGD: after an update the weights are exactly b - lr * gradient.
+    trainer.optimizer = torch.optim.SGD(trainer.model.parameters(), lr=lr)
+    trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda _: 1.0)
+    return trainer
+
+
+def _group(attempt: int, tokens: list[int], rewards: list[float], logprobs: list[float]):
+    from refill.models.payload import Completion, TrainGroup
+
+    completions = [
+        Completion(token_ids=[t], logprobs=[lp], text="")
+        for t, lp in zip(tokens, logprobs, strict=True)
+    ]
+    return TrainGroup(attempt, [1], completions, rewards, 0)
+
+
+def test_the_second_update_of_a_step_clips_on_the_high_side(settings, tmp_path):
+    # Vocabulary of 4, logits b = 0: pi_old is uniform, 1/4 per token, and the engine sampled
+    # with these weights (log 1/4 recorded), so every importance weight is 1.
+    settings.optimizer.groups_per_update = 1  # two groups: two updates in the step
+    settings.optimizer.max_grad_norm = 100.0
+    settings.grpo.normalize_rewards = False  # advantages +-0.5
+    trainer = _hand_trainer(settings, tmp_path / "run", [0.0] * 4, lr=2.0)
+    uniform = math.log(0.25)
+    first = _group(1, [2, 3], [1.0, 0.0], [uniform, uniform])
+    second = _group(2, [2, 1], [1.0, 0.0], [uniform, uniform])
+    metrics = trainer.train_step(0, [first, second])
+
+    # Update 1 (group 1, ratio 1): loss = -(0.5 r2 - 0.5 r3) / 2 tokens, and
+    # d r_y / d b_j = delta_yj - 1/4, so the gradient is (0, 0, -1/4, +1/4) and SGD at lr 2
+    # leaves b = (0, 0, 0.5, -0.5).
+    # Update 2 (group 2) against the same old log-probs: Z = 2 + e^0.5 + e^-0.5 = 4.255252,
+    # pi(2) = e^0.5 / Z = 0.387456 -> ratio 1.549822 > 1 + 0.28 with A = +0.5: clipped high,
+    # no gradient; pi(1) = 1 / Z = 0.235004 -> ratio 0.940015 > 1 - 0.2: not clipped.
+    z = 2 + math.exp(0.5) + math.exp(-0.5)
+    assert z == pytest.approx(4.255252, abs=1e-6)
+    r2, r1 = math.exp(0.5) / z / 0.25, 1 / z / 0.25
+    assert (r2, r1) == pytest.approx((1.549822, 0.940015), abs=1e-6)
+    assert metrics["updates"] == 2 and metrics["mini_batches"] == 2
+    # 4 token visits (2 per update); one of them, in update 2, clipped high.
+    assert metrics["clip_fraction_upper"] == pytest.approx(0.25)
+    assert metrics["clip_fraction_lower"] == 0.0
+    assert metrics["clip_fraction"] == pytest.approx(0.25)
+    assert metrics["ratio_mean"] == pytest.approx((1 + 1 + r2 + r1) / 4, abs=1e-6)
+    # Losses: update 1 is 0; update 2 is -(0.5 * 1.28 - 0.5 * r1) / 2 = -0.084996.
+    assert metrics["loss"] == pytest.approx((0.0 - (0.5 * 1.28 - 0.5 * r1) / 2) / 2, abs=1e-6)
+    assert metrics["importance_weight_mean"] == pytest.approx(1.0)
+    assert metrics["importance_weight_truncated_fraction"] == 0.0
+    assert metrics["tokens"] == 4
+    # Update 2's gradient is token 1's alone (the clipped token gives none):
+    # L = -(-0.5 r1) / 2 = 0.25 r1, dL/db_j = 0.25 r1 (delta_1j - pi_j).
+    pi = [1 / z, 1 / z, math.exp(0.5) / z, math.exp(-0.5) / z]
+    grad = [0.25 * r1 * ((j == 1) - pi[j]) for j in range(4)]
+    expected = [b - 2.0 * g for b, g in zip([0.0, 0.0, 0.5, -0.5], grad, strict=True)]
+    assert trainer.model.bias.tolist() == pytest.approx(expected, abs=1e-6)
+    assert trainer.version == 1
+
+
+def test_one_mini_batch_of_every_group_is_the_single_update(settings, tmp_path):
+    settings.optimizer.groups_per_update = 1
+    settings.optimizer.passes_per_step = 2
+    settings.grpo.normalize_rewards = False
+    settings.optimizer.max_grad_norm = 100.0
+    trainer = _hand_trainer(settings, tmp_path / "run", [0.0] * 4, lr=2.0)
+    uniform = math.log(0.25)
+    metrics = trainer.train_step(0, [_group(1, [2, 3], [1.0, 0.0], [uniform, uniform])])
+    # One group, two passes: the second pass is update 2 on the same group, with
+    # b = (0, 0, 0.5, -0.5): ratio(2) = 1.549822 (A > 0, clipped high) and
+    # ratio(3) = e^-0.5 / Z / 0.25 = 0.570148 (A < 0, below 0.8: clipped low).
+    assert metrics["updates"] == 2 and metrics["mini_batches"] == 1
+    assert metrics["clip_fraction_upper"] == pytest.approx(0.25)
+    assert metrics["clip_fraction_lower"] == pytest.approx(0.25)
+
+
+def test_fresh_data_under_top_p_has_importance_weight_one(settings, tmp_path):
+    # Logits (0, 3, 2, 1) at temperature 1: p = (0.032059, 0.643914, 0.236883, 0.087144).
+    # top_p 0.9 keeps tokens 1, 2, 3 (token 0 follows a mass of 0.967941 >= 0.9), so the
+    # engine records log(p_y / 0.967941) for what it samples with these very weights.
+    settings.generation.top_p = 0.9
+    settings.generation.temperature = 1.0
+    settings.loss.use_importance_sampling_correction = True
+    logits = [0.0, 3.0, 2.0, 1.0]
+    z = sum(math.exp(v) for v in logits)
+    p = [math.exp(v) / z for v in logits]
+    assert p == pytest.approx([0.032059, 0.643914, 0.236883, 0.087144], abs=1e-6)
+    nucleus = 1 - p[0]
+    recorded = [math.log(p[2] / nucleus), math.log(p[1] / nucleus)]
+    groups = [_group(1, [2, 1], [1.0, 0.0], recorded)]
+
+    trainer = _hand_trainer(settings, tmp_path / "run", logits, lr=0.1)
+    metrics = trainer.train_step(0, groups)
+    assert metrics["importance_weight_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert metrics["importance_weight_truncated_fraction"] == 0.0
+
+    # Scored at temperature alone (as before), every weight was short by the nucleus mass.
+    settings.generation.top_p = 1.0
+    biased = _hand_trainer(settings, tmp_path / "biased", logits, lr=0.1)
+    metrics = biased.train_step(0, groups)
+    assert metrics["importance_weight_mean"] == pytest.approx(nucleus, abs=1e-6)
+
+
+def test_hf_samples_under_top_p_weigh_one_in_the_trainer(settings, tmp_path):
+    # End to end with the tiny model: the hf back-end samples with the trainer's own weights
+    # (version 0) at top_p 0.7 and temperature 0.8; the trainer's weights are then all 1 up
+    # to float noise, where scoring at temperature alone made them the nucleus mass.
+    import copy as copy_module
+
+    from refill.models.payload import GenerationRequest, TrainGroup
+    from refill.tasks.backends.hf import HFEngine
+
+    settings.generation.top_p = 0.7
+    settings.generation.temperature = 0.8
+    trainer = GRPOTrainer(settings, tmp_path / "run")
+    trainer.restore(0)
+    engine = HFEngine(copy_module.deepcopy(trainer.model), trainer.tokenizer)
+    groups = []
+    for i, prompt in enumerate(["1+2=", "7-3=", "4+4="]):
+        out = engine.generate(
+            [GenerationRequest(i, prompt, {}, 6, 0.8, 0.7, 5, seed=11 + i)]
+        )[0]
+        rewards = [float(k % 2) for k in range(6)]
+        groups.append(TrainGroup(i, out.prompt_token_ids, out.completions, rewards, 0))
+    assert all(math.isfinite(lp) for g in groups for c in g.completions for lp in c.logprobs)
+    metrics = trainer.train_step(0, groups)
+    assert metrics["importance_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert metrics["importance_weight_truncated_fraction"] == 0.0
+
+
+def test_the_trainer_reads_the_correction_default_from_the_schema():
+    from refill.config import RunConfig
+
+    s = read_settings(SimpleNamespace())
+    assert s.loss.use_importance_sampling_correction is RunConfig().loss.use_importance_sampling_correction
+    assert s.loss.use_importance_sampling_correction is True
+    assert s.optimizer.groups_per_update is None and s.optimizer.passes_per_step == 1
+
+
+def test_invalid_mini_batch_settings_name_the_key():
+    with pytest.raises(ValueError, match="optimizer.passes_per_step=0"):
+        read_settings(SimpleNamespace(optimizer=SimpleNamespace(passes_per_step=0)))
+    with pytest.raises(ValueError, match="optimizer.groups_per_update=0"):
+        read_settings(SimpleNamespace(optimizer=SimpleNamespace(groups_per_update=0)))

@@ -167,3 +167,71 @@ def test_shape_mismatch_is_reported():
             step_tokens=6,
             step_sequences=2,
         )
+
+
+def test_kl_term_is_not_scaled_by_the_importance_weight():
+    # As test_kl_penalty_adds_beta_times_k3, but the engine sampled the token at 0.1 while the
+    # old policy gives it 0.5: the weight 5 is truncated to 2 and scales the policy-gradient
+    # term only. With A = 0 that term is 0, so loss and gradient are beta * k3 exactly as
+    # without the weight: 0.1 * (-0.5 + log 2) and 0.1 * (1 - 0.5).
+    terms, grad = _loss(
+        [[math.log(0.5)]],
+        [[math.log(0.5)]],
+        [0.0],
+        logp_ref=torch.tensor([[math.log(0.25)]], dtype=torch.float64),
+        kl_coef=0.1,
+        logp_sampling=torch.tensor([[math.log(0.1)]], dtype=torch.float64),
+        truncation=2.0,
+    )
+    assert terms.loss.item() == pytest.approx(0.1 * (-0.5 + math.log(2)), rel=1e-6)
+    assert grad.item() == pytest.approx(0.1 * 0.5)
+    assert terms.importance_weight_sum == pytest.approx(2.0)
+    assert terms.truncated == 1.0
+    # With A = 1 the weight doubles the policy-gradient term alone: -2 * 1 + beta * k3.
+    terms, grad = _loss(
+        [[math.log(0.5)]],
+        [[math.log(0.5)]],
+        [1.0],
+        logp_ref=torch.tensor([[math.log(0.25)]], dtype=torch.float64),
+        kl_coef=0.1,
+        logp_sampling=torch.tensor([[math.log(0.1)]], dtype=torch.float64),
+        truncation=2.0,
+    )
+    assert terms.loss.item() == pytest.approx(-2.0 + 0.1 * (-0.5 + math.log(2)), rel=1e-6)
+    # d/dlogp: -2 * ratio (= 1) + 0.1 * 0.5.
+    assert grad.item() == pytest.approx(-2.0 + 0.05)
+
+
+def test_the_weight_numerator_can_be_the_processed_old_log_prob():
+    # The engine sampled under top-p: its log-prob is log(0.3 / 0.6) for a token the old policy
+    # gives 0.3 at temperature alone and 0.5 inside the nucleus. The weight compares the
+    # processed log-probs, 0.5 / 0.5 = 1; the raw one would be 0.3 / 0.5 = 0.6.
+    terms, _ = _loss(
+        [[math.log(0.3)]],
+        [[math.log(0.3)]],
+        [1.0],
+        logp_sampling=torch.tensor([[math.log(0.5)]], dtype=torch.float64),
+        logp_old_processed=torch.tensor([[math.log(0.5)]], dtype=torch.float64),
+    )
+    assert terms.importance_weight_sum == pytest.approx(1.0)
+    terms, _ = _loss(
+        [[math.log(0.3)]],
+        [[math.log(0.3)]],
+        [1.0],
+        logp_sampling=torch.tensor([[math.log(0.5)]], dtype=torch.float64),
+    )
+    assert terms.importance_weight_sum == pytest.approx(0.6)
+
+
+def test_log_ratios_and_k3_are_clamped_as_verl_does():
+    # A log-ratio of 30 is clamped to 20 before exp; k3 with ref - new = 30 becomes
+    # exp(20) - 20 - 1, clamped to 10.
+    terms, grad = _loss([[30.0]], [[0.0]], [-1.0], logp_ref=torch.tensor([[60.0]]).double(),
+                        kl_coef=1.0)
+    assert terms.ratio_sum == pytest.approx(math.exp(20.0))
+    assert kl_k3(torch.tensor(0.0), torch.tensor(30.0)).item() == pytest.approx(10.0)
+    assert kl_k3(torch.tensor(0.0), torch.tensor(-30.0)).item() == pytest.approx(10.0)
+    assert terms.kl_sum == pytest.approx(10.0)
+    assert torch.isfinite(grad).all()
+    weights = truncated_importance_weights(torch.tensor([[0.0]]), torch.tensor([[-50.0]]), None)
+    assert weights.item() == pytest.approx(math.exp(20.0))
