@@ -79,6 +79,19 @@ def processed_logprobs(
     return masked - torch.logsumexp(masked, dim=-1, keepdim=True)
 
 
+def inverse_cdf_sample(logp: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``logp`` (``[rows, vocab]``) by inverting its CDF at ``uniforms``
+    (``[rows]``, drawn in [0, 1) as ``torch.rand`` does).
+
+    The draw is at ``1 - u``, in (0, 1]: the first token whose cumulative mass reaches a
+    positive draw has positive mass, so a token outside the nucleus (mass 0, log-prob -inf)
+    is never picked. At ``u = 0`` a draw of 0 would pick token 0 whatever its mass.
+    """
+    cdf = logp.exp().cumsum(dim=-1)
+    draw = ((1.0 - uniforms) * cdf[:, -1]).unsqueeze(-1)
+    return torch.searchsorted(cdf, draw).squeeze(-1).clamp(max=cdf.shape[-1] - 1)
+
+
 @dataclass
 class _Row:
     request_index: int
@@ -216,9 +229,7 @@ class HFEngine:
             )
             cache = getattr(out, self._cache_name)
             logp = processed_logprobs(out.logits[:, -1, :], temperature, top_p)
-            cdf = logp.exp().cumsum(dim=-1)
-            draw = (uniforms[:, step] * cdf[:, -1]).unsqueeze(-1)
-            token = torch.searchsorted(cdf, draw).squeeze(-1).clamp(max=cdf.shape[-1] - 1)
+            token = inverse_cdf_sample(logp, uniforms[:, step])
             token = torch.where(greedy, logp.argmax(dim=-1), token)
             token_logp = torch.where(
                 greedy, torch.zeros_like(temperature), logp.gather(-1, token[:, None]).squeeze(-1)

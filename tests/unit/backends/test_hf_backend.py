@@ -13,7 +13,11 @@ from refill.assets import resolve_model_path, tiny_arith_path  # noqa: E402
 from refill.models.payload import GenerationRequest  # noqa: E402
 from refill.tasks.backends import make_engine  # noqa: E402
 from refill.tasks.backends.base import GenerationOutput  # noqa: E402
-from refill.tasks.backends.hf import HFEngine, processed_logprobs  # noqa: E402
+from refill.tasks.backends.hf import (  # noqa: E402
+    HFEngine,
+    inverse_cdf_sample,
+    processed_logprobs,
+)
 
 torch.set_num_threads(1)
 
@@ -277,3 +281,21 @@ def test_builtin_tiny_model_builds_from_its_shipped_config():
     assert len(out.completions) == 2
     # A config-only model is initialised from the seed, identically each time.
     assert as_tuples(second.generate([request(n=2)])[0]) == as_tuples(out)
+
+
+def test_a_zero_uniform_never_picks_a_token_outside_the_nucleus():
+    # Logits (0, 3, 2, 1): p = (0.032, 0.644, 0.237, 0.087). top_p 0.5 keeps token 1 alone;
+    # top_p 0.9 keeps 1, 2, 3. torch.rand can return exactly 0: the draw is at 1 - u = 1,
+    # the top of the CDF, which a token of mass 0 never reaches first. (A draw at u = 0 found
+    # token 0, outside the nucleus, with log-prob -inf.)
+    logits = torch.tensor([[0.0, 3.0, 2.0, 1.0], [0.0, 3.0, 2.0, 1.0]])
+    logp = processed_logprobs(logits, torch.tensor([1.0, 1.0]), torch.tensor([0.5, 0.9]))
+    assert logp[0].tolist()[1] == 0.0 and math.isinf(logp[0, 0].item())
+    assert math.isinf(logp[1, 0].item())
+    zero = inverse_cdf_sample(logp, torch.tensor([0.0, 0.0]))
+    # Row 0: only token 1 has mass. Row 1: the CDF reaches its top at token 3, the last
+    # token of the nucleus in vocabulary order.
+    assert zero.tolist() == [1, 3]
+    assert all(math.isfinite(logp[row, token].item()) for row, token in enumerate(zero.tolist()))
+    # u just below 1 draws just above 0: the first token of the nucleus.
+    assert inverse_cdf_sample(logp, torch.tensor([0.999, 0.999])).tolist() == [1, 1]
