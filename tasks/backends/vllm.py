@@ -42,7 +42,14 @@ prefix caching would otherwise reuse for a repeated prompt.
 
 A model directory with only a ``config.json`` (``builtin:tiny-arith``) starts with
 ``load_format="dummy"`` (random weights): the trainer always publishes version 0 and
-``BatchingEngine`` loads it before the first batch.
+``BatchingEngine`` loads it before the first batch. A reload reads through the engine's load
+config, so under ``dummy`` it would not load the published weights: current vLLM's
+``reload_weights`` refuses a loader without ``get_all_weights`` (``NotImplementedError``:
+"Model reloading with `dummy` format"), and older ones re-ran the dummy loader (fresh random
+weights). So before the first reload the engine switches the load format with
+``collective_rpc("update_config", args=({"load_config": {"load_format": "auto"}},))``, as
+vLLM's ``examples/offline_inference/skip_loading_weights_in_engine_init.py`` does; the workers'
+``update_config`` accepts ``load_config`` and ``model_config`` overrides.
 
 Knobs: ``model.name_or_path``, ``generation.use_chat_template`` [false], ``run.seed`` [0]
 (engine default seed; every request carries its own), and ``generation.vllm.*``:
@@ -96,6 +103,7 @@ class VLLMEngine:
         reload_style: str = "weights_path",
         max_model_len: int | None = None,
         tokenizer: Any = None,
+        load_format: str | None = None,
     ) -> None:
         if reload_style not in RELOAD_STYLES:
             raise ValueError(f"reload_style must be one of {RELOAD_STYLES}, not {reload_style!r}")
@@ -110,6 +118,8 @@ class VLLMEngine:
         self.use_chat_template = use_chat_template
         self.reload_style = reload_style
         self.max_model_len = max_model_len
+        #: The load format the engine's workers reload through (None: vLLM's default, auto).
+        self.load_format = load_format
         self.weight_version: int | None = None
 
     @classmethod
@@ -165,6 +175,7 @@ class VLLMEngine:
             use_chat_template=config.generation.use_chat_template,
             reload_style=reload_style or "weights_path",
             max_model_len=args.get("max_model_len"),
+            load_format=args.get("load_format"),
         )
 
     # ------------------------------------------------------------------ Engine
@@ -214,6 +225,12 @@ class VLLMEngine:
 
     def load_weights(self, version: int, path: str | None) -> None:
         if path is not None:
+            if self.load_format == "dummy":
+                # The dummy loader only makes random weights: reload through the real one.
+                self.llm.collective_rpc(
+                    "update_config", args=({"load_config": {"load_format": "auto"}},)
+                )
+                self.load_format = "auto"
             if self.reload_style == "weights_path":
                 self.llm.collective_rpc(
                     "reload_weights", kwargs={"weights_path": path, "is_checkpoint_format": True}

@@ -98,7 +98,10 @@ class FakeLLM:
         self.rpcs: list[tuple[str, tuple, dict]] = []
         self.prefix_resets = 0
         self.model = engine_args.get("model", "base")
-        self.weights = "base"
+        self.load_format = engine_args.get("load_format", "auto")
+        # vLLM's dummy loader starts from random weights.
+        self.weights = "random-0" if self.load_format == "dummy" else "base"
+        self.dummy_inits = 0
         self.finish_override: dict[int, str] = {}
         self.flat = False
         self.drop_logprobs = False
@@ -154,9 +157,23 @@ class FakeLLM:
         kwargs = kwargs or {}
         self.rpcs.append((method, tuple(args), dict(kwargs)))
         if method == "update_config":
-            self.model = args[0]["model_config"]["model"]
+            # vllm.config.update_config: only the sections named are overridden.
+            overrides = args[0]
+            if "model_config" in overrides:
+                self.model = overrides["model_config"]["model"]
+            if "load_config" in overrides:
+                self.load_format = overrides["load_config"]["load_format"]
         elif method == "reload_weights":
-            self.weights = kwargs.get("weights_path", self.model)
+            if self.load_format == "dummy":
+                # Like vLLM's dummy loader: the new weights are never read. Current vLLM
+                # refuses (its DummyModelLoader has no get_all_weights); the argument-less
+                # reload of older ones re-ran the dummy init.
+                if "weights_path" in kwargs:
+                    raise NotImplementedError("Model reloading with `dummy` format")
+                self.dummy_inits += 1
+                self.weights = f"random-{self.dummy_inits}"
+            else:
+                self.weights = kwargs.get("weights_path", self.model)
         else:
             raise AttributeError(f"the worker has no method {method}")
         return [None] * self.tensor_parallel_size
@@ -292,6 +309,51 @@ def test_older_vllm_reloads_through_update_config():
     assert [m for m, _, _ in llm.rpcs] == ["update_config", "reload_weights"]
     assert llm.rpcs[0][1] == ({"model_config": {"model": "/w/v000001"}},)
     assert llm.weights == "/w/v000001" and llm.prefix_resets == 1
+
+
+@pytest.mark.parametrize("reload_style", ["weights_path", "update_config"])
+def test_the_stand_in_reloads_nothing_under_the_dummy_load_format(reload_style):
+    # An engine that forgets to switch the load format (the bug this stand-in now catches):
+    # the reload fails, or leaves random weights in place of the published version.
+    llm = FakeLLM(load_format="dummy")
+    eng = VLLMEngine(llm, sampling_params_cls=SamplingParams, reload_style=reload_style)
+    if reload_style == "weights_path":
+        with pytest.raises(NotImplementedError, match="dummy"):
+            eng.load_weights(0, "/runs/r/weights/v000000")
+    else:
+        eng.load_weights(0, "/runs/r/weights/v000000")
+        assert llm.weights == "random-1"
+
+
+@pytest.mark.parametrize("reload_style", ["weights_path", "update_config"])
+def test_a_dummy_start_switches_to_the_real_loader_before_its_first_reload(reload_style):
+    config = SimpleNamespace(
+        model=SimpleNamespace(name_or_path="builtin:tiny-arith"),
+        generation=SimpleNamespace(backend="vllm"),
+    )
+    made: list[FakeLLM] = []
+
+    def factory(**kwargs):
+        made.append(FakeLLM(**kwargs))
+        return made[-1]
+
+    eng = VLLMEngine.from_config(
+        config, llm_factory=factory, sampling_params_cls=SamplingParams, reload_style=reload_style
+    )
+    llm = made[0]
+    assert llm.load_format == "dummy" and eng.load_format == "dummy"
+    random_start = eng.generate([request(seed=4)])[0]
+    eng.load_weights(0, "/runs/r/weights/v000000")
+    # vLLM's own example: update_config({"load_config": {"load_format": "auto"}}), then reload.
+    assert llm.rpcs[0] == ("update_config", ({"load_config": {"load_format": "auto"}},), {})
+    assert llm.load_format == "auto"
+    assert llm.weights == "/runs/r/weights/v000000"
+    assert eng.generate([request(seed=4)])[0] != random_start
+    switches = [rpc for rpc in llm.rpcs if rpc[1] and "load_config" in rpc[1][0]]
+    eng.load_weights(1, "/runs/r/weights/v000001")
+    assert llm.weights == "/runs/r/weights/v000001"
+    # The switch is made once.
+    assert [rpc for rpc in llm.rpcs if rpc[1] and "load_config" in rpc[1][0]] == switches
 
 
 def test_engine_args_from_config(tmp_path):
