@@ -1,5 +1,6 @@
 """The fleet as the ledger sees it (`refill workers`): per worker the attempts or step it
-holds, its last heartbeat and recent work; and the attempts waiting for a worker.
+holds, its last heartbeat and recent work; the attempts waiting for a worker; and how the
+running runs share the fleet (each run's share and attempts in flight).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from refill.admin.snapshot import count_by, get_run
+from refill.config import from_snapshot
 from refill.models.tables import Attempt, AttemptState, Run, RunStatus, Step, StepStatus
 
 
@@ -131,3 +133,52 @@ def queue_counts(session: Session, *, run_id: int | None = None) -> dict[str, in
         where.append(Attempt.run_id.in_(select(Run.id).where(Run.status == RunStatus.RUNNING.value)))
     counts = count_by(session, Attempt.state, *where)
     return {state: counts.get(state, 0) for state in (AttemptState.PENDING.value, AttemptState.QUEUED.value)}
+
+
+def in_flight_by_run(session: Session, run_ids: list[int] | None = None) -> dict[int, dict[str, int]]:
+    """Per run, its attempts in flight: queued (sent to the broker, no worker yet) and running.
+    Every run that has any, or only `run_ids`."""
+    where = [Attempt.state.in_([AttemptState.QUEUED.value, AttemptState.RUNNING.value])]
+    if run_ids is not None:
+        where.append(Attempt.run_id.in_(run_ids))
+    out: dict[int, dict[str, int]] = {}
+    for a_run, state, n in session.execute(
+        select(Attempt.run_id, Attempt.state, func.count()).where(*where).group_by(Attempt.run_id, Attempt.state)
+    ).all():
+        out.setdefault(int(a_run), {"queued": 0, "running": 0})[str(state)] = int(n)
+    return out
+
+
+def run_share(config: Any) -> float:
+    """A run's `run.share` (its weight on a shared fleet), from its stored config."""
+    return from_snapshot(config).run.share
+
+
+def fleet_shares(session: Session, *, run_id: int | None = None) -> list[dict[str, Any]]:
+    """How the running runs share the generation workers: per run its share, its attempts in
+    flight, the part of the fleet's running attempts it holds and the part its share entitles
+    it to among the running runs (what the relay's metering aims at while every run has work:
+    refill.tasks.relay)."""
+    query = select(Run.id, Run.name, Run.config).where(Run.status == RunStatus.RUNNING.value).order_by(Run.id)
+    runs = session.execute(query).all()
+    flight = in_flight_by_run(session, [r.id for r in runs])
+    shares = {r.id: run_share(r.config) for r in runs}
+    total_share = sum(shares.values())
+    total_running = sum(f["running"] for f in flight.values())
+    rows = []
+    for r in runs:
+        if run_id is not None and r.id != run_id:
+            continue
+        counts = flight.get(r.id, {"queued": 0, "running": 0})
+        rows.append(
+            {
+                "run_id": r.id,
+                "name": r.name,
+                "share": shares[r.id],
+                "entitled_fraction": shares[r.id] / total_share if total_share else None,
+                "queued": counts["queued"],
+                "running": counts["running"],
+                "running_fraction": counts["running"] / total_running if total_running else None,
+            }
+        )
+    return rows

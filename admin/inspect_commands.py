@@ -63,7 +63,9 @@ def runs(
 ) -> None:
     """List the runs in the ledger, newest first.
 
-    With each: its state, how many steps it trained, its weight version and batch shape."""
+    With each: its state, how many steps it trained, its weight version and batch shape, its
+    share of a shared fleet (run.share) and its attempts in flight (running on a worker +
+    queued on the broker)."""
     from refill.admin.run_queries import list_runs
 
     rows = read(database_url, lambda s: list_runs(s, status=status.value if status else None, limit=limit))
@@ -83,12 +85,21 @@ def runs(
                 "steps": f"{r['trained_steps']}/{r['max_num_steps']}",
                 "version": r["weight_version"],
                 "batch": f"{r['num_prompts_per_step']}x{r['group_size']}",
+                "share": f"{r['share']:g}",
+                "in flight": _in_flight(r) or None,
                 "created (UTC)": when(r["created_at"]),
                 "seconds": None if r["seconds"] is None else round(r["seconds"], 1),
             }
             for r in rows
         ]
     )
+
+
+def _in_flight(row: dict[str, Any]) -> str:
+    """`R running + Q queued`, or '' when neither."""
+    if not row["running"] and not row["queued"]:
+        return ""
+    return f"{row['running']} running + {row['queued']} queued"
 
 
 # --- refill run show ------------------------------------------------------------------------
@@ -427,19 +438,27 @@ def workers(
     since: Annotated[float, typer.Option(help="Also list workers that finished work in the last SECONDS.", min=0)] = 600.0,
     as_json: AsJson = False,
 ) -> None:
-    """Show the live fleet: attempts in flight and last heartbeat per worker.
+    """Show the live fleet: attempts in flight and last heartbeat per worker, and how the
+    running runs share it.
 
     The last heartbeat is leased_until - lease_seconds (a heartbeat pushes the lease out);
     also the soonest lease expiry, leases already expired, and the work finished recently.
-    Trainers show the step they hold."""
-    from refill.admin.fleet_queries import queue_counts, worker_rows
+    Trainers show the step they hold. Per running run: its share (run.share), the part of the
+    fleet it is entitled to among the running runs, its attempts running and queued, and the
+    part of the fleet's running attempts it holds now."""
+    from refill.admin.fleet_queries import fleet_shares, queue_counts, worker_rows
 
     now = datetime.now(UTC)
-    rows, waiting = read(
-        database_url, lambda s: (worker_rows(s, run_id=run, since_seconds=since, now=now), queue_counts(s, run_id=run))
+    rows, waiting, shares = read(
+        database_url,
+        lambda s: (
+            worker_rows(s, run_id=run, since_seconds=since, now=now),
+            queue_counts(s, run_id=run),
+            fleet_shares(s, run_id=run),
+        ),
     )
     if as_json:
-        print_json(jsonable({"now": now, "workers": rows, "waiting": waiting}))
+        print_json(jsonable({"now": now, "workers": rows, "waiting": waiting, "runs": shares}))
         return
     if rows:
         print_table(
@@ -463,6 +482,22 @@ def workers(
         )
     else:
         note(f"no worker holds an attempt or finished one in the last {since:g}s")
+    if shares:
+        print_table(
+            [
+                {
+                    "run": r["run_id"],
+                    "name": r["name"],
+                    "share": f"{r['share']:g}",
+                    "entitled": _percent(r["entitled_fraction"]),
+                    "running": r["running"],
+                    "queued": r["queued"],
+                    "of running": _percent(r["running_fraction"]),
+                }
+                for r in shares
+            ],
+            title="runs on the fleet",
+        )
     out_console.print(
         f"waiting for a worker: {waiting['pending']} pending (not yet on the queue), "
         f"{waiting['queued']} queued",
@@ -471,3 +506,7 @@ def workers(
     expired = sum(r["expired_leases"] for r in rows)
     if expired:
         warn(f"{expired} leases expired without a heartbeat: those workers are stuck or gone (the reaper retries them)")
+
+
+def _percent(fraction: float | None) -> str | None:
+    return None if fraction is None else f"{100 * fraction:.0f}%"

@@ -10,6 +10,7 @@ from sqlalchemy import func, select, true
 from sqlalchemy.orm import Session
 
 from refill.admin.budget_queries import zero_variance_from_attempts
+from refill.admin.fleet_queries import in_flight_by_run, run_share
 from refill.admin.progress_queries import step_metrics
 from refill.admin.snapshot import LIVE_STATES, count_by, get_run, seconds_between
 from refill.models.tables import (
@@ -45,8 +46,11 @@ def list_runs(session: Session, *, status: str | None = None, limit: int | None 
         query = query.where(Run.status == status)
     if limit is not None:
         query = query.limit(limit)
+    found = session.execute(query).all()
+    flight = in_flight_by_run(session, [run.id for run, _ in found])
     out = []
-    for run, n_trained in session.execute(query).all():
+    for run, n_trained in found:
+        counts = flight.get(run.id, {"queued": 0, "running": 0})
         out.append(
             {
                 "run_id": run.id,
@@ -58,6 +62,9 @@ def list_runs(session: Session, *, status: str | None = None, limit: int | None 
                 "weight_version": run.weight_version,
                 "num_prompts_per_step": run.num_prompts_per_step,
                 "group_size": run.group_size,
+                "share": run_share(run.config),
+                "queued": counts["queued"],
+                "running": counts["running"],
                 "created_at": run.created_at,
                 "started_at": run.started_at,
                 "finished_at": run.finished_at,

@@ -9,13 +9,15 @@ a train_step for a trained step is a no-op).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import or_, select, update
+from sqlalchemy import delete, func, or_, select, text, update
 from sqlalchemy.orm import Session
 
+from refill.config import from_snapshot
 from refill.models.context import literal_in
 from refill.models.payload import GenerateMessage
 from refill.models.settings import settings_for
@@ -50,31 +52,36 @@ def claim_outbox(
     claim_seconds: float = 30.0,
     ids: list[int] | None = None,
     run_id: int | None = None,
+    queued_per_share: int | None = None,
 ) -> list[Outgoing]:
     """Claim up to `limit` due, unsent rows and return the messages to publish.
 
     Rows whose message no longer makes sense (the attempt was cancelled, the run ended) are
     marked sent without a message, so the outbox drains.
+
+    With `queued_per_share`, generate rows are metered: a run keeps at most
+    `queued_per_share * run.share` attempts queued on the broker (sent, not yet taken by a
+    worker), and its other rows wait, unclaimed, for a later pass. Workers take messages in
+    the order they were sent, so runs that all have work get the workers in proportion to
+    their shares (see `queue_room`).
     """
     table = Outbox.__table__
-    query = (
-        select(table.c.id, table.c.run_id, table.c.kind, table.c.attempt_id, table.c.payload)
-        .where(
-            table.c.sent_at.is_(None),
-            table.c.available_at <= now,
-            or_(table.c.claimed_until.is_(None), table.c.claimed_until < now),
-        )
-        .order_by(table.c.id)
-        .limit(limit)
-        .with_for_update(skip_locked=True)
-    )
-    if ids is not None:
-        query = query.where(literal_in(table.c.id, ids))
-    if run_id is not None:
-        query = query.where(table.c.run_id == run_id)
-    # Plain rows, not ORM objects, and one UPDATE per kind of change below: a relay pass
-    # handles up to `limit` rows, and the ORM's per-object bookkeeping cost more than the SQL.
-    rows = session.execute(query).all()
+    if queued_per_share is None:
+        rows = _due_rows(session, now, limit, ids=ids, run_id=run_id)
+    elif run_id is not None:
+        # Ask only for what the run may send: a metered run can have hundreds of rows waiting,
+        # and the controller's relay passes every few tens of milliseconds.
+        rows = _due_rows(session, now, limit, ids=ids, run_id=run_id, kind=OutboxKind.TRAIN_STEP.value)
+        room = queue_room(session, [run_id], queued_per_share).get(run_id, 0)
+        if room > 0:
+            rows += _due_rows(
+                session, now, min(limit, room), ids=ids, run_id=run_id, kind=OutboxKind.GENERATE.value
+            )
+        rows.sort(key=lambda row: row.id)
+    else:
+        rows = _due_rows(session, now, limit, ids=ids)
+        metered = {row.run_id for row in rows if row.kind == OutboxKind.GENERATE.value}
+        rows = _within_room(rows, queue_room(session, metered, queued_per_share) if metered else {})
     if not rows:
         return []
     runs = {r.id: r for r in session.scalars(select(Run).where(literal_in(Run.id, {row.run_id for row in rows})))}
@@ -108,6 +115,154 @@ def claim_outbox(
             )
         )
     return out
+
+
+def _due_rows(
+    session: Session,
+    now: datetime,
+    limit: int,
+    *,
+    ids: list[int] | None = None,
+    run_id: int | None = None,
+    kind: str | None = None,
+) -> list[Any]:
+    table = Outbox.__table__
+    query = (
+        select(table.c.id, table.c.run_id, table.c.kind, table.c.attempt_id, table.c.payload)
+        .where(
+            table.c.sent_at.is_(None),
+            table.c.available_at <= now,
+            or_(table.c.claimed_until.is_(None), table.c.claimed_until < now),
+        )
+        .order_by(table.c.id)
+        .limit(limit)
+        .with_for_update(skip_locked=True)
+    )
+    if ids is not None:
+        query = query.where(literal_in(table.c.id, ids))
+    if run_id is not None:
+        query = query.where(table.c.run_id == run_id)
+    if kind is not None:
+        query = query.where(table.c.kind == kind)
+    # Plain rows, not ORM objects, and one UPDATE per kind of change below: a relay pass
+    # handles up to `limit` rows, and the ORM's per-object bookkeeping cost more than the SQL.
+    return list(session.execute(query).all())
+
+
+def _within_room(rows: list[Any], room: dict[int, int]) -> list[Any]:
+    """The rows a pass may send: every train_step row, and each run's first generate rows up
+    to its room. The others stay unclaimed for a later pass."""
+    left = dict(room)
+    out = []
+    for row in rows:
+        if row.kind == OutboxKind.GENERATE.value:
+            if left.get(row.run_id, 0) <= 0:
+                continue
+            left[row.run_id] -= 1
+        out.append(row)
+    return out
+
+
+#: The first key of the advisory lock a metering relay takes per run (the second is the run).
+_METER_LOCK = 0x5EF1
+#: The room of a run that is not metered (not running: its rows are moot and drain).
+UNMETERED = 2**31 - 1
+
+
+def queued_window(share: float, queued_per_share: int) -> int:
+    """How many of a run's attempts may wait on the broker: its share of the window, at least 1."""
+    return max(1, round(share * queued_per_share))
+
+
+def queue_room(session: Session, run_ids: Iterable[int], queued_per_share: int) -> dict[int, int]:
+    """How many more attempts each run may have queued on the broker now.
+
+    Why this gives each run its share of the workers without a scheduler: the broker's queue is
+    FIFO and holds about `queued_window` attempts of each run that has work; each time a worker
+    takes one, the relay sends another of the same run to the back. The queue's mix of runs is
+    therefore the windows' ratio, and so is the rate at which workers take each run's attempts.
+    A run with nothing to send leaves its room to the others (nothing is reserved).
+
+    Two relays metering one run at once would both see the same room; on PostgreSQL a relay
+    takes a per-run advisory lock for its transaction and a run locked by another relay gets no
+    room this pass (that relay is sending its rows; the controller's next pass comes soon).
+    """
+    wanted = sorted(set(run_ids))
+    if not wanted:
+        return {}
+    status = dict(session.execute(select(Run.id, Run.status).where(literal_in(Run.id, wanted))).all())
+    # A run that is not running sends nothing: its rows are drained as moot, without room.
+    room = {run: UNMETERED for run in wanted if status.get(run) != RunStatus.RUNNING.value}
+    metered = [run for run in wanted if run not in room]
+    if metered and session.get_bind().dialect.name == "postgresql":
+        locked = [
+            run
+            for run in metered
+            if session.execute(
+                text("SELECT pg_try_advisory_xact_lock(:key, :run)"), {"key": _METER_LOCK, "run": run}
+            ).scalar()
+        ]
+        room.update((run, 0) for run in metered if run not in locked)
+        metered = locked
+    if not metered:
+        return room
+    shares = run_shares(session, metered)
+    queued = dict(
+        session.execute(
+            select(Attempt.run_id, func.count())
+            .where(literal_in(Attempt.run_id, metered), Attempt.state == AttemptState.QUEUED.value)
+            .group_by(Attempt.run_id)
+        ).all()
+    )
+    room.update(
+        (run, queued_window(shares[run], queued_per_share) - int(queued.get(run, 0))) for run in metered
+    )
+    return room
+
+
+#: (run id, config hash) -> run.share; a run's config never changes. Bounded: a process that
+#: drives runs for months must not keep one entry per run it ever saw.
+_shares: dict[tuple[int, str], float] = {}
+_SHARES_KEPT = 4096
+
+
+def run_shares(session: Session, run_ids: Iterable[int]) -> dict[int, float]:
+    """Each run's `run.share`, read from its stored config once per process."""
+    wanted = list(run_ids)
+    hashes = dict(session.execute(select(Run.id, Run.config_hash).where(literal_in(Run.id, wanted))).all())
+    missing = [run for run in wanted if (run, hashes.get(run)) not in _shares]
+    if missing:
+        if len(_shares) > _SHARES_KEPT:
+            _shares.clear()
+        for run, config_hash, config in session.execute(
+            select(Run.id, Run.config_hash, Run.config).where(literal_in(Run.id, missing))
+        ).all():
+            _shares[(run, config_hash)] = from_snapshot(config, source=f"run {run}'s stored config").run.share
+    return {run: _shares[(run, hashes[run])] for run in wanted if run in hashes}
+
+
+def prune_relayed(session: Session, run_id: int, before: datetime, *, chunk: int = 20_000) -> int:
+    """Delete up to `chunk` of a run's generate rows relayed before `before`; returns how many.
+
+    A sent generate row has done its work: its attempt's state says where the attempt is, and
+    nothing reads the row again (a re-dispatch writes a new row). Train_step rows stay: the
+    reaper and `refill check` read them, and there is one per step. Without this the outbox
+    keeps a row for every attempt a run ever made.
+    """
+    table = Outbox.__table__
+    doomed = (
+        select(table.c.id)
+        .where(
+            table.c.run_id == run_id,
+            table.c.kind == OutboxKind.GENERATE.value,
+            table.c.sent_at.is_not(None),
+            table.c.sent_at < before,
+        )
+        .order_by(table.c.id)
+        .limit(chunk)
+    )
+    result = session.execute(delete(table).where(table.c.id.in_(doomed.scalar_subquery())))
+    return int(result.rowcount or 0)
 
 
 def _body(row: Any, run: Run, attempts: dict[int, Any]) -> dict[str, Any] | None:

@@ -3,18 +3,27 @@
 Claiming, publishing and marking happen in one transaction. If publishing fails half-way the
 transaction rolls back and every row stays unsent, so some messages may go out twice: the
 receivers are idempotent by attempt id or step (SPEC §2, at least once).
+
+Runs that share a fleet share its generation workers by `run.share`: the relay keeps at most
+`run.share * REFILL_QUEUED_PER_SHARE` of a run's attempts waiting on the broker and sends the
+rest as workers take them (`refill.models.outbox.queue_room` says why that is fair). A run's
+relayed generate rows are deleted a minute after they went out, so the outbox holds what is
+in flight, not a run's history.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import time
 from collections.abc import Iterable
+from datetime import timedelta
 
 from celery import Celery
 
 from refill.models.clock import ledger_now
 from refill.models.db import Ledger
-from refill.models.outbox import Outgoing, claim_outbox, mark_sent
+from refill.models.outbox import Outgoing, claim_outbox, mark_sent, prune_relayed
 from refill.tasks.queues import TASK_GENERATE, TASK_TRAIN_STEP
 
 log = logging.getLogger(__name__)
@@ -25,6 +34,32 @@ TASK_OF_QUEUE = {"generate": TASK_GENERATE, "train": TASK_TRAIN_STEP}
 #: per message on each side; the attempts a relay sends together share one message, and the
 #: worker runs them concurrently, so its engine batches them as it did separate messages.
 GENERATE_BUNDLE = 8
+
+#: Attempts of a run with `run.share: 1` that may wait on the broker at once. It must cover what
+#: the fleet takes between two relay passes (else workers idle), and shares bite only while a
+#: run has more work than this (else every run sends all it has). See docs/SCALE.md.
+QUEUED_PER_SHARE_ENV = "REFILL_QUEUED_PER_SHARE"
+DEFAULT_QUEUED_PER_SHARE = 256
+
+#: A relayed generate row is deleted this long after it was sent (kept a while for whoever
+#: reads the outbox by hand), by the run's controller at most every PRUNE_EVERY_SECONDS.
+RELAYED_KEPT_SECONDS = 60.0
+PRUNE_EVERY_SECONDS = 10.0
+_pruned_at: dict[int, float] = {}  # run -> monotonic time of its last prune, in this process
+
+
+def queued_per_share() -> int:
+    """REFILL_QUEUED_PER_SHARE, or its default; a value that is not a positive integer is refused."""
+    raw = os.environ.get(QUEUED_PER_SHARE_ENV, "").strip()
+    if not raw:
+        return DEFAULT_QUEUED_PER_SHARE
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{QUEUED_PER_SHARE_ENV}={raw!r}: must be a positive integer (attempts per unit of run.share)")
+    return value
 
 
 def publish(app: Celery, messages: Iterable[Outgoing]) -> int:
@@ -88,9 +123,24 @@ def relay(
 
     def send(session) -> int:  # type: ignore[no-untyped-def]
         now = ledger_now(session)  # due times are the ledger's, not this machine's
-        messages = claim_outbox(session, claimer=claimer, now=now, limit=limit, ids=ids, run_id=run_id)
+        messages = claim_outbox(
+            session, claimer=claimer, now=now, limit=limit, ids=ids, run_id=run_id, queued_per_share=window
+        )
         sent = publish(app, messages)
         mark_sent(session, messages, now)
+        if run_id is not None and _prune_due(run_id):
+            prune_relayed(session, run_id, now - timedelta(seconds=RELAYED_KEPT_SECONDS))
         return sent
 
+    window = queued_per_share()
     return ledger.transaction(send, what="outbox relay")
+
+
+def _prune_due(run_id: int) -> bool:
+    now = time.monotonic()
+    if now - _pruned_at.get(run_id, -PRUNE_EVERY_SECONDS) < PRUNE_EVERY_SECONDS:
+        return False
+    if len(_pruned_at) > 4096:  # a control worker drives many runs in its life; keep this small
+        _pruned_at.clear()
+    _pruned_at[run_id] = now
+    return True

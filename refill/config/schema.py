@@ -52,6 +52,10 @@ class RunSection(_Section):
     name: str | None = None  # load_config fills in the YAML file's stem
     seed: int = 0
     output_dir: PathStr = "runs"
+    # This run's weight when runs share one fleet: the relay keeps at most
+    # share * REFILL_QUEUED_PER_SHARE of its attempts waiting on the broker, so runs that all
+    # have work get the generation workers in proportion to their shares (refill.tasks.relay).
+    share: float = Field(1.0, gt=0, le=1000)
 
 
 class DataConfig(_Section):

@@ -1,0 +1,188 @@
+"""Runs sharing one fleet (issue 18): the relay meters each run's attempts on the broker by its
+`run.share`, and the outbox sheds relayed generate rows as a run goes."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, deque
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import select
+
+from refill.admin.fleet_queries import fleet_shares
+from refill.admin.run_queries import list_runs
+from refill.admin.snapshot import read_snapshot
+from refill.models.db import Ledger
+from refill.models.migrate import upgrade
+from refill.models.outbox import (
+    Outgoing,
+    claim_outbox,
+    mark_sent,
+    prune_relayed,
+    queue_room,
+    queued_window,
+)
+from refill.models.tables import Attempt, AttemptState, Outbox
+from refill.tasks.relay import QUEUED_PER_SHARE_ENV, queued_per_share
+from tests.support.driver import SPREAD, Driver
+
+#: eight prompts a step, two steps admitted (lookahead 1): sixteen pending attempts a run
+WIDE = {"grpo": {"num_prompts_per_step": 8, "max_num_steps": 4}, "rollout_failure": {"replacement_reserve_prompts": 8}}
+
+
+def two_runs(ledger, share_a: float = 2, share_b: float = 1) -> tuple[Driver, Driver]:
+    a = Driver(ledger, {**WIDE, "run": {"seed": 7, "share": share_a}}, num_prompts=80)
+    b = Driver(ledger, {**WIDE, "run": {"seed": 8, "share": share_b}}, num_prompts=80)
+    a.admit()
+    b.admit()
+    return a, b
+
+
+def metered(d: Driver, per_share: int, *, run_id: int | None = None, ids: list[int] | None = None) -> list[Outgoing]:
+    def go(session):  # type: ignore[no-untyped-def]
+        sent = claim_outbox(
+            session, claimer="relay", now=d.now, run_id=run_id, ids=ids, queued_per_share=per_share
+        )
+        mark_sent(session, sent, d.now)
+        return sent
+
+    return d.ledger.transaction(go)
+
+
+def by_run(messages: list[Outgoing]) -> Counter[int]:
+    return Counter(m.run_id for m in messages if m.kind == "generate")
+
+
+def test_a_run_keeps_its_share_of_the_window_on_the_broker(ledger) -> None:
+    a, b = two_runs(ledger)
+    assert queued_window(2, 3) == 6 and queued_window(0.1, 3) == 1  # never below one
+    # The controller's pass (by run) and the consumer's (by ids) meter alike.
+    assert by_run(metered(a, 3, run_id=a.run_id)) == {a.run_id: 6}
+    unsent_b = [row.id for row in b.outbox("generate") if row.sent_at is None]
+    assert by_run(metered(b, 3, ids=unsent_b)) == {b.run_id: 3}
+    assert metered(a, 3, run_id=a.run_id) == [] and metered(b, 3, ids=unsent_b) == []
+    # A worker takes two of A's attempts: A may send two more, B nothing.
+    queued_a = [x.id for x in a.attempts(state=AttemptState.QUEUED.value)]
+    a.start_all(queued_a[:2])
+    assert by_run(metered(a, 3)) == {a.run_id: 2}
+    with ledger.session() as session:
+        assert queue_room(session, [a.run_id, b.run_id], 3) == {a.run_id: 0, b.run_id: 0}
+    # Held rows stay unsent and unclaimed: nothing of them is lost, and `refill check` (run
+    # after every integration test) still finds an unsent message for each pending attempt.
+    held = [row for row in a.outbox("generate") if row.sent_at is None]
+    assert held and all(row.claimed_by is None and row.send_count == 0 for row in held)
+
+
+def test_train_step_rows_and_moot_rows_are_never_held(ledger) -> None:
+    a, _ = two_runs(ledger)
+    metered(a, 1, run_id=a.run_id)  # A's window (2) is full from here on
+    queued = [x.id for x in a.attempts(state=AttemptState.QUEUED.value)]
+    a.start_all(queued)
+    for attempt_id in queued:
+        a.finish(attempt_id, SPREAD)
+    a.fill_step(0)
+    sent = metered(a, 1, run_id=a.run_id)
+    assert [m.body["step"] for m in sent if m.kind == "train_step"] == [0]
+    # A stopped run sends nothing, and its rows drain whatever its window says.
+    a.stop()
+    assert metered(a, 1, run_id=a.run_id) == []
+    assert [row for row in a.outbox() if row.sent_at is None] == []
+
+
+@pytest.mark.parametrize(("share_a", "share_b", "expected"), [(1, 1, 1.0), (2, 1, 2.0)])
+def test_a_fifo_fleet_serves_runs_in_the_ratio_of_their_shares(ledger, share_a, share_b, expected) -> None:
+    """The argument of `queue_room`, played out: one FIFO queue, workers that take its head one
+    at a time, and a metered relay between takes. The take sequence settles into a cycle in
+    which each run appears as often as its window."""
+    a, b = two_runs(ledger, share_a, share_b)
+    queue: deque[int] = deque()
+    taken: list[int] = []
+    for _ in range(18):
+        for d in (a, b):
+            for message in metered(d, 2, run_id=d.run_id):
+                if message.kind == "generate":
+                    queue.append(message.body["attempt_id"])
+        attempt_id = queue.popleft()
+        owner = a if a.attempt(attempt_id).run_id == a.run_id else b
+        owner.start_all([attempt_id])
+        taken.append(owner.run_id)
+    settled = Counter(taken[6:])
+    assert settled[a.run_id] / settled[b.run_id] == pytest.approx(expected, rel=0.1)
+
+
+def test_relayed_generate_rows_are_pruned_and_the_rest_kept(ledger) -> None:
+    a, _ = two_runs(ledger)
+    a.relay(ids=[row.id for row in a.outbox("generate")][:5])
+    early = a.now
+    a.tick(120)
+    a.relay()  # the others, two minutes later
+    for attempt in a.attempts(state=AttemptState.QUEUED.value)[:8]:
+        a.start_all([attempt.id])
+        a.finish(attempt.id, SPREAD)
+    a.relay()
+    pruned = ledger.transaction(lambda s: prune_relayed(s, a.run_id, early + timedelta(seconds=60)))
+    assert pruned == 5
+    assert ledger.transaction(lambda s: prune_relayed(s, a.run_id, early + timedelta(seconds=60))) == 0
+    with ledger.session() as session:
+        left = session.scalars(select(Outbox).where(Outbox.run_id == a.run_id)).all()
+        # Every pending attempt keeps its unsent row, every train_step row stays.
+        pending = session.scalars(
+            select(Attempt.id).where(Attempt.run_id == a.run_id, Attempt.state == AttemptState.PENDING.value)
+        ).all()
+    assert set(pending) <= {row.attempt_id for row in left if row.sent_at is None}
+    assert all(row.sent_at is None or row.sent_at > early or row.kind == "train_step" for row in left)
+    assert ledger.transaction(lambda s: prune_relayed(s, a.run_id, a.now + timedelta(seconds=1), chunk=2)) == 2
+
+
+def test_the_window_comes_from_the_environment(monkeypatch) -> None:
+    monkeypatch.delenv(QUEUED_PER_SHARE_ENV, raising=False)
+    assert queued_per_share() == 256
+    monkeypatch.setenv(QUEUED_PER_SHARE_ENV, "12")
+    assert queued_per_share() == 12
+    for bad in ("0", "-3", "lots"):
+        monkeypatch.setenv(QUEUED_PER_SHARE_ENV, bad)
+        with pytest.raises(ValueError, match="REFILL_QUEUED_PER_SHARE=.*positive integer"):
+            queued_per_share()
+
+
+def shared_fleet(ledger) -> tuple[Driver, Driver]:
+    """Run A (share 3): three attempts running and three queued; run B (share 1): two queued."""
+    a, b = two_runs(ledger, 3, 1)
+    metered(a, 2, run_id=a.run_id)
+    metered(b, 2, run_id=b.run_id)
+    a.start_all([x.id for x in a.attempts(state=AttemptState.QUEUED.value)][:3])
+    return a, b
+
+
+def test_the_read_side_tells_each_runs_share_and_attempts_in_flight(ledger) -> None:
+    a, b = shared_fleet(ledger)
+    with read_snapshot(ledger) as session:
+        runs = {r["run_id"]: r for r in list_runs(session)}
+        fleet = {r["run_id"]: r for r in fleet_shares(session)}
+    assert (runs[a.run_id]["share"], runs[a.run_id]["running"], runs[a.run_id]["queued"]) == (3.0, 3, 3)
+    assert (runs[b.run_id]["share"], runs[b.run_id]["running"], runs[b.run_id]["queued"]) == (1.0, 0, 2)
+    assert fleet[a.run_id]["entitled_fraction"] == pytest.approx(0.75)
+    assert fleet[a.run_id]["running_fraction"] == 1.0 and fleet[b.run_id]["running_fraction"] == 0.0
+
+
+def test_refill_runs_and_workers_show_them(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from refill.admin.cli import app
+
+    url = f"sqlite:///{tmp_path}/refill.db"
+    upgrade(url)
+    ledger = Ledger(url)
+    try:
+        a, _ = shared_fleet(ledger)
+    finally:
+        ledger.dispose()
+    runner = CliRunner()
+    workers = runner.invoke(app, ["workers", "--database-url", url])
+    assert workers.exit_code == 0, workers.output
+    assert "runs on the fleet" in workers.stdout and "75%" in workers.stdout
+    as_json = json.loads(runner.invoke(app, ["workers", "--database-url", url, "--json"]).stdout)
+    assert {r["run_id"]: r["queued"] for r in as_json["runs"]} == {a.run_id: 3, a.run_id + 1: 2}
+    listing = runner.invoke(app, ["runs", "--database-url", url])
+    assert listing.exit_code == 0 and "3 running + 3 queued" in listing.stdout
