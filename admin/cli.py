@@ -52,6 +52,11 @@ def _register() -> None:
     app.command("worker")(worker)
     app.command("demo")(demo)
 
+    # Retention (issue 18): a finished run's bulky rows.
+    from refill.admin.gc_command import gc
+
+    app.command("gc")(gc)
+
     # Inspecting the ledger (issue 5).
     from refill.admin import check_command, inspect_commands, metrics_commands, tail_command
 
