@@ -28,6 +28,7 @@ from refill.admin.group_invariants import (
     check_zero_variance,
 )
 from refill.admin.invariant_types import Check, CheckResult, Context, Report
+from refill.admin.payload_invariants import check_payloads
 from refill.admin.run_invariants import check_messages, check_spare_pool, check_weight_versions
 from refill.admin.slot_invariants import (
     check_budgets,
@@ -50,6 +51,7 @@ CHECKS: tuple[Check, ...] = (
     Check("group_placement", "each committed group in one slot or parked, and only in a committed slot; groups belong to committed attempts", check_group_placement),
     Check("outbox", "pending attempts have an unsent message; released steps have metrics and a train_step message", check_messages),
     Check("spare_pool", "a taken spare prompt is run by the attempt that took it", check_spare_pool),
+    Check("payloads", "every committed, untrained group's stored payload exists, at the size its worker wrote", check_payloads),
 )
 
 

@@ -2,13 +2,32 @@
 
 Nothing here imports Celery or torch: the generation worker, the results consumer and the
 trainer all agree on these shapes, and the wire format is JSON only (never pickle).
+
+A result body has a version (`"v"`). Version 1 (no `"v"` key: what every worker sent before
+the claim check) carries the group inline: token ids, log-probs and texts. Version 2
+(`ClaimCheckResult`) carries what the consumer decides on (rewards, lengths) and where the
+worker stored the group (`PayloadRef`: a name in the run's payload store, its size and
+checksum), a few hundred bytes whatever the rollout's length. Consumers read both, so they are
+upgraded before the workers.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
+
+#: The result body versions this code reads; it writes 2 for a stored payload, 1 inline.
+RESULT_VERSIONS = (1, 2)
+#: A payload's name in its run's store: `<attempt id // PAYLOAD_BUCKET>/<attempt id>.<16 hex>.rfp`
+#: (relative, no `..`: a message names a file of its own attempt and nothing else).
+PAYLOAD_BUCKET = 4096
+_PAYLOAD_NAME = re.compile(r"(\d{1,16})/(\d{1,19})\.[0-9a-f]{16}\.rfp")
+_CHECKSUM = re.compile(r"sha256:[0-9a-f]{64}")
+#: The longest error text a result carries (an engine's traceback can be any length; the wire
+#: stays small, and the ledger keeps about this much of it anyway).
+MAX_ERROR_CHARS = 1000
 
 
 class PayloadError(ValueError):
@@ -171,34 +190,200 @@ class ResultMessage:
 
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> ResultMessage:
-        """Decode a result. Shape errors raise PayloadError; value checks (group size, finite
-        rewards, token range) are the ledger's job because they need the run's config."""
+        """Decode a result of either body version (a `ClaimCheckResult` for version 2). Shape
+        errors raise PayloadError; value checks (group size, finite rewards, token range) are
+        the ledger's job because they need the run's config."""
         if not isinstance(body, dict):
             raise PayloadError("a result message must be an object")
-        error_kind = body.get("error_kind")
-        if error_kind not in (None, "infra", "data"):
-            raise PayloadError(f"error_kind must be null, 'infra' or 'data', not {error_kind!r}")
-        weight_version = body.get("weight_version")
-        if weight_version is not None and (
-            not isinstance(weight_version, int) or isinstance(weight_version, bool)
-        ):
-            raise PayloadError("field 'weight_version' must be an integer or null")
+        version = body.get("v", 1)
+        if version == 2:
+            return ClaimCheckResult.from_json(body)
+        if version != 1:
+            raise PayloadError(
+                f"result body version {version!r}: this consumer reads versions "
+                f"{', '.join(map(str, RESULT_VERSIONS))} (upgrade the consumers before the workers)"
+            )
         completions = body.get("completions") or []
-        rewards = body.get("rewards") or []
-        if not isinstance(completions, list) or not isinstance(rewards, list):
+        if not isinstance(completions, list):
             raise PayloadError("'completions' and 'rewards' must be lists")
         return cls(
-            run_id=_require(body, "run_id", int),
-            attempt_id=_require(body, "attempt_id", int),
-            worker=str(body.get("worker", "?")),
-            weight_version=weight_version,
+            **_common_fields(body),
             prompt_token_ids=list(body.get("prompt_token_ids") or []),
             completions=[Completion.from_json(c) for c in completions],
-            rewards=[_as_reward(r) for r in rewards],
-            error_kind=error_kind,
-            error=None if body.get("error") is None else str(body.get("error")),
-            generation_seconds=float(body.get("generation_seconds") or 0.0),
         )
+
+    def estimated_bytes(self) -> int:
+        """The size `infra.max_result_bytes` bounds: an upper estimate of the group's JSON
+        inline, the stored payload's size for a claim check."""
+        return estimated_result_bytes(self)
+
+
+def estimated_result_bytes(result: Any) -> int:
+    """A cheap upper estimate of the JSON size of a group inline (anything with
+    `prompt_token_ids` and `completions`: an engine's output, a result), without encoding it."""
+    size = 256 + 8 * len(result.prompt_token_ids)
+    for completion in result.completions:
+        size += 128 + 8 * len(completion.token_ids) + 24 * len(completion.logprobs) + 2 * len(completion.text)
+    return size
+
+
+@dataclass(frozen=True)
+class PayloadRef:
+    """Where a generation worker stored a group's rollout for the trainer
+    (`refill.models.payload_store`): `name` in the run's payload store, and the `size` in bytes
+    and `checksum` ("sha256:<hex>") of what it wrote, which the trainer's claim verifies."""
+
+    name: str
+    size: int
+    checksum: str
+
+    @property
+    def attempt_id(self) -> int:
+        return int(self.name.split("/")[1].split(".")[0])
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ref": self.name, "bytes": self.size, "checksum": self.checksum}
+
+    @classmethod
+    def from_json(cls, body: Any, attempt_id: int) -> PayloadRef:
+        if not isinstance(body, dict):
+            raise PayloadError("'payload' must be an object")
+        ref = cls(
+            name=_require(body, "ref", str),
+            size=_require(body, "bytes", int),
+            checksum=_require(body, "checksum", str),
+        )
+        problem = payload_name_problem(ref.name, attempt_id)
+        if problem is not None:
+            raise PayloadError(problem)
+        if ref.size < 0:
+            raise PayloadError(f"payload of attempt {attempt_id} has {ref.size} bytes")
+        if _CHECKSUM.fullmatch(ref.checksum) is None:
+            raise PayloadError(f"payload checksum {ref.checksum[:80]!r} is not 'sha256:' and 64 hex digits")
+        return ref
+
+
+def payload_name(attempt_id: int, nonce: str) -> str:
+    """The store name of a payload of `attempt_id` (`nonce`: 16 hex digits, one per write, so
+    that no two writes ever share a name)."""
+    name = f"{attempt_id // PAYLOAD_BUCKET}/{attempt_id}.{nonce}.rfp"
+    problem = payload_name_problem(name, attempt_id)
+    if problem is not None:
+        raise ValueError(problem)
+    return name
+
+
+def payload_name_problem(name: str, attempt_id: int) -> str | None:
+    """Why `name` cannot be attempt `attempt_id`'s payload (None when it can): the consumer
+    removes the payloads it discards by name, so a name must be one the store makes for this
+    very attempt, never a path of its own."""
+    found = _PAYLOAD_NAME.fullmatch(name)
+    if found is None:
+        return f"payload name {name[:80]!r} is not '<bucket>/<attempt>.<16 hex>.rfp'"
+    bucket, owner = int(found.group(1)), int(found.group(2))
+    if owner != attempt_id or bucket != attempt_id // PAYLOAD_BUCKET:
+        return f"payload name {name!r} is not one of attempt {attempt_id}'s"
+    return None
+
+
+@dataclass
+class ClaimCheckResult(ResultMessage):
+    """A result whose group waits in the run's payload store (body version 2): what the
+    consumer decides on (rewards; the prompt's and each completion's length) and the stored
+    payload's `PayloadRef` (None for a failure, which has no group). `prompt_token_ids` and
+    `completions` stay empty: the trainer reads them from the payload."""
+
+    payload: PayloadRef | None = field(default=None, kw_only=True)
+    prompt_length: int = field(default=0, kw_only=True)
+    lengths: list[int] = field(default_factory=list, kw_only=True)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.lengths)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "v": 2,
+            "run_id": self.run_id,
+            "attempt_id": self.attempt_id,
+            "worker": self.worker,
+            "weight_version": self.weight_version,
+            "rewards": self.rewards,
+            "prompt_length": self.prompt_length,
+            "lengths": self.lengths,
+            "payload": None if self.payload is None else self.payload.to_json(),
+            "error_kind": self.error_kind,
+            "error": None if self.error is None else self.error[:MAX_ERROR_CHARS],
+            "generation_seconds": self.generation_seconds,
+        }
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> ClaimCheckResult:
+        if not isinstance(body, dict):
+            raise PayloadError("a result message must be an object")
+        common = _common_fields(body)
+        lengths = body.get("lengths") or []
+        if not isinstance(lengths, list) or not all(_is_count(n) for n in lengths):
+            raise PayloadError("'lengths' must be a list of non-negative integers")
+        prompt_length = body.get("prompt_length", 0)
+        if not _is_count(prompt_length):
+            raise PayloadError("'prompt_length' must be a non-negative integer")
+        payload = body.get("payload")
+        if payload is None and common["error_kind"] is None:
+            raise PayloadError(f"result of attempt {common['attempt_id']} has neither a payload nor an error")
+        return cls(
+            **common,
+            payload=None if payload is None else PayloadRef.from_json(payload, common["attempt_id"]),
+            prompt_length=prompt_length,
+            lengths=lengths,
+        )
+
+    def estimated_bytes(self) -> int:
+        return 0 if self.payload is None else self.payload.size
+
+
+def _common_fields(body: dict[str, Any]) -> dict[str, Any]:
+    """The fields both result body versions share, checked."""
+    error_kind = body.get("error_kind")
+    if error_kind not in (None, "infra", "data"):
+        raise PayloadError(f"error_kind must be null, 'infra' or 'data', not {error_kind!r}")
+    weight_version = body.get("weight_version")
+    if weight_version is not None and (
+        not isinstance(weight_version, int) or isinstance(weight_version, bool)
+    ):
+        raise PayloadError("field 'weight_version' must be an integer or null")
+    rewards = body.get("rewards") or []
+    if not isinstance(rewards, list):
+        raise PayloadError("'completions' and 'rewards' must be lists")
+    return {
+        "run_id": _require(body, "run_id", int),
+        "attempt_id": _require(body, "attempt_id", int),
+        "worker": str(body.get("worker", "?")),
+        "weight_version": weight_version,
+        "rewards": [_as_reward(r) for r in rewards],
+        "error_kind": error_kind,
+        "error": None if body.get("error") is None else str(body.get("error")),
+        "generation_seconds": float(body.get("generation_seconds") or 0.0),
+    }
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def estimated_body_bytes(body: dict[str, Any]) -> int:
+    """A cheap upper estimate of a result body's JSON size, either version, without encoding
+    it (the worker's ResultSender cuts its bundles by it)."""
+    size = 256 + 8 * len(body.get("prompt_token_ids") or ())
+    for completion in body.get("completions") or ():
+        size += 128 + 8 * len(completion.get("token_ids") or ()) + 24 * len(completion.get("logprobs") or ())
+        size += 2 * len(completion.get("text") or "")
+    # A version 2 body: its rewards and lengths (a reward's repr is at most 24 characters), and
+    # the payload's name and checksum.
+    size += 26 * len(body.get("rewards") or ()) + 21 * len(body.get("lengths") or ())
+    if body.get("payload") is not None:
+        size += 160
+    return size + len(str(body.get("worker") or "")) + 2 * len(body.get("error") or "")
 
 
 def _as_reward(value: Any) -> float:

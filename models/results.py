@@ -3,14 +3,21 @@
 `record_results` takes a batch of results, groups them by run, locks each run once and applies
 every result in order. Each result has exactly one outcome; a result that changes nothing
 (duplicate, late, unknown) is written to `rejected_results` so that it stays visible.
+
+A result comes with its group inline (`ResultMessage`) or as a claim check
+(`ClaimCheckResult`: rewards, lengths and a `PayloadRef` to the run's payload store). A
+claim check commits the reference, never the payload's bytes, so recording one costs the
+same at any rollout length; the payloads the batch did not commit are returned to the caller
+to remove once the transaction committed (`BatchResult.discarded`).
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 
 from sqlalchemy import select
@@ -21,7 +28,7 @@ from refill.models.context import RunContext, literal_in, slot_keys_in, utcnow
 from refill.models.db import UnknownRun
 from refill.models.metrics import zero_variance_from_counters
 from refill.models.overdispatch import place_extra, top_up
-from refill.models.payload import ResultMessage
+from refill.models.payload import ClaimCheckResult, ResultMessage
 from refill.models.slots import (
     LIVE,
     RunFailed,
@@ -71,6 +78,9 @@ class Recorded:
 class BatchResult:
     outcomes: list[Recorded]
     outbox_ids: list[int]
+    #: `(run id, payload name)` of each stored payload this batch judged nothing will read (its
+    #: attempt settled without committing it): the caller removes them after the commit.
+    discarded: list[tuple[int, str]] = field(default_factory=list)
 
 
 def record_results(
@@ -83,6 +93,7 @@ def record_results(
         by_run.setdefault(result.run_id, []).append((position, result))
     outcomes: list[Recorded | None] = [None] * len(results)
     outbox_ids: list[int] = []
+    discarded: list[tuple[int, str]] = []
     # Lock runs in id order so that two consumers with mixed batches cannot deadlock.
     for run_id in sorted(by_run):
         items = by_run[run_id]
@@ -98,11 +109,31 @@ def record_results(
         ctx.size_caches(len(items))
         _warm_caches(ctx)
         for position, result in items:
-            outcomes[position] = _record_one(ctx, attempts.get(result.attempt_id), result)
+            attempt = attempts.get(result.attempt_id)
+            outcomes[position] = _record_one(ctx, attempt, result)
+            name = _discarded_payload(ctx, attempt, result)
+            if name is not None:
+                discarded.append((run_id, name))
         top_up(ctx)
         session.flush()
         outbox_ids.extend(ctx.outbox_ids)
-    return BatchResult([o for o in outcomes if o is not None], outbox_ids)
+    return BatchResult([o for o in outcomes if o is not None], outbox_ids, discarded)
+
+
+def _discarded_payload(ctx: RunContext, attempt: Attempt | None, result: ResultMessage) -> str | None:
+    """The stored payload of `result` if nothing will ever read it: its attempt is settled (or
+    unknown to this ledger) and no committed group holds it. An attempt still in flight keeps
+    it (a result from a worker that does not hold the lease must not remove the holder's)."""
+    if not isinstance(result, ClaimCheckResult) or result.payload is None:
+        return None
+    if attempt is not None:
+        if attempt.state in LIVE:
+            return None
+        if attempt.state == AttemptState.COMMITTED.value:
+            group = ctx.new_groups.get(attempt.id) or ctx.session.get(Group, attempt.id)
+            if group is not None and group.payload_ref == result.payload.name:
+                return None
+    return result.payload.name
 
 
 def _preload(ctx: RunContext, attempt_ids: list[int]) -> dict[int, Attempt]:
@@ -213,7 +244,14 @@ def _apply(ctx: RunContext, attempt: Attempt, result: ResultMessage) -> Recorded
     if result.error_kind == "data":
         data_failure(ctx, attempt, result.error or "data error")
         return Recorded(attempt.id, Outcome.FAILED, "data")
-    problem, rollout = decisions.checked_payload(result, settings.group_size, settings.vocab_size)
+    rollout: rollout_codec.Rollout | None = None
+    if isinstance(result, ClaimCheckResult):
+        # The worker checked its payload's token ids and log-probs where they were cheapest;
+        # what is left to check here needs the run's config and only the message.
+        problem, num_tokens = _claim_problem(result, settings.group_size), result.num_tokens
+    else:
+        problem, rollout = decisions.checked_payload(result, settings.group_size, settings.vocab_size)
+        num_tokens = rollout.num_tokens if rollout is not None else 0
     if problem is None and result.weight_version is None:
         problem = "result does not say which weight version generated it"
     if problem is not None:
@@ -225,8 +263,7 @@ def _apply(ctx: RunContext, attempt: Attempt, result: ResultMessage) -> Recorded
     attempt.reward_mean = sum(rewards) / len(rewards)
     attempt.reward_min = min(rewards)
     attempt.reward_max = max(rewards)
-    assert rollout is not None  # no problem: checked_payload built it
-    attempt.num_tokens = rollout.num_tokens
+    attempt.num_tokens = num_tokens
     zero_variance = decisions.is_zero_variance(rewards, settings.zero_variance_tolerance)
     attempt.zero_variance = zero_variance
     ctx.run.scored_groups += 1
@@ -271,7 +308,7 @@ def _filter(ctx: RunContext, attempt: Attempt) -> None:
     replace(ctx, slot, after_filter=True)
 
 
-def _commit(ctx: RunContext, attempt: Attempt, result: ResultMessage, rollout: rollout_codec.Rollout) -> None:
+def _commit(ctx: RunContext, attempt: Attempt, result: ResultMessage, rollout: rollout_codec.Rollout | None) -> None:
     settings = ctx.settings
     version = int(result.weight_version or 0)
     own = aimed_slot(ctx, attempt)
@@ -299,8 +336,7 @@ def _commit(ctx: RunContext, attempt: Attempt, result: ResultMessage, rollout: r
         rewards=list(result.rewards),
         reward_mean=attempt.reward_mean,
         zero_variance=bool(attempt.zero_variance),
-        rollout=rollout.pack(),
-        completion_texts=rollout_codec.texts(result.completions),
+        **_payload_columns(result, rollout),
         num_tokens=attempt.num_tokens or 0,
         committed_at=ctx.now,
         parked=False,
@@ -318,6 +354,35 @@ def _commit(ctx: RunContext, attempt: Attempt, result: ResultMessage, rollout: r
         # own version, which the trainer reaches without this slot).
         retry = dispatch_retry(ctx, attempt, own, spend_try=False)
         retry.min_weight_version = max(retry.min_weight_version, min(version + 1, own.step))
+
+
+def _claim_problem(result: ClaimCheckResult, group_size: int) -> str | None:
+    """What makes a claim check unusable, as `decisions.checked_payload` words it for a group
+    inline; None when nothing does."""
+    if len(result.lengths) != group_size:
+        return f"group has {len(result.lengths)} completions, the run expects {group_size}"
+    if len(result.rewards) != group_size:
+        return f"group has {len(result.rewards)} rewards for {group_size} completions"
+    for i, reward in enumerate(result.rewards):
+        if not math.isfinite(reward):
+            return f"reward of completion {i} is {reward}, not a finite number"
+    if not result.prompt_length:
+        return "prompt_token_ids is empty"
+    return None
+
+
+def _payload_columns(result: ResultMessage, rollout: rollout_codec.Rollout | None) -> dict[str, object]:
+    """A group's payload columns: the packed rollout and texts inline, or the claim check's
+    reference (its bytes stay in the payload store)."""
+    if isinstance(result, ClaimCheckResult):
+        assert result.payload is not None  # decoding refuses a claim check with neither payload nor error
+        return {
+            "payload_ref": result.payload.name,
+            "payload_bytes": result.payload.size,
+            "payload_checksum": result.payload.checksum,
+        }
+    assert rollout is not None  # no problem: checked_payload built it
+    return {"rollout": rollout.pack(), "completion_texts": rollout_codec.texts(result.completions)}
 
 
 def committed_slot_of(session: Session, run_id: int, attempt_id: int) -> tuple[int, int] | None:

@@ -16,10 +16,19 @@ Token ids are unsigned 32-bit (`MAX_TOKEN_ID`; the payload checks refuse larger 
 group is committed); log-probs keep all 64 bits, so a group reads back exactly as it came.
 Each completion's text and finish reason stay readable in SQL, in `groups.completion_texts`.
 A later layout takes a new version byte and this module keeps reading version 1.
+
+A group stored beside the broker (`refill.models.payload_store`, the claim check) is one
+*payload*: the same rollout with the texts after it, version 1:
+
+    b"RFP" 0x01 | uint32 rollout bytes | the rollout (above) | completion_texts as UTF-8 JSON
+
+`checksum` is what the worker records of it and the trainer's claim verifies.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import struct
 import sys
 from array import array
@@ -35,6 +44,8 @@ MAX_TOKEN_ID = 2**32 - 1
 
 _MAGIC = b"RFR\x01"
 _HEADER = struct.Struct("<4sII")
+_PAYLOAD_MAGIC = b"RFP\x01"
+_PAYLOAD_HEADER = struct.Struct("<4sI")
 _BIG_ENDIAN = sys.byteorder == "big"
 # array's "I" is C's unsigned int: 4 bytes on every platform CPython supports today. Checked
 # once, here, rather than silently writing a different layout somewhere it is not.
@@ -178,6 +189,39 @@ def decode(rollout: bytes, completion_texts: Sequence[dict[str, Any]]) -> tuple[
         start_ids += length
         start_logprobs += length
     return ids[:prompt_len], completions
+
+
+def pack_payload(rollout: Rollout, completion_texts: Sequence[dict[str, Any]]) -> bytes:
+    """A group as a worker stores it: the packed rollout, then its texts (`texts`)."""
+    packed = rollout.pack()
+    texts_json = json.dumps(list(completion_texts), ensure_ascii=False, separators=(",", ":")).encode()
+    return b"".join((_PAYLOAD_HEADER.pack(_PAYLOAD_MAGIC, len(packed)), packed, texts_json))
+
+
+def unpack_payload(payload: bytes) -> tuple[list[int], list[Completion]]:
+    """`(prompt_token_ids, completions)` of a stored payload; RolloutFormatError when it is
+    not one."""
+    blob = memoryview(payload)
+    if len(blob) < _PAYLOAD_HEADER.size:
+        raise RolloutFormatError(f"a payload of {len(blob)} bytes is shorter than its header")
+    magic, rollout_bytes = _PAYLOAD_HEADER.unpack_from(blob)
+    if magic != _PAYLOAD_MAGIC:
+        raise RolloutFormatError(f"a payload starts with {bytes(magic)!r}, not {_PAYLOAD_MAGIC!r} (layout version 1)")
+    end = _PAYLOAD_HEADER.size + rollout_bytes
+    if end > len(blob):
+        raise RolloutFormatError(f"a payload of {len(blob)} bytes declares a rollout of {rollout_bytes}")
+    try:
+        texts = json.loads(bytes(blob[end:]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise RolloutFormatError(f"a payload's texts are not JSON ({error})") from error
+    if not isinstance(texts, list) or not all(isinstance(t, dict) for t in texts):
+        raise RolloutFormatError("a payload's texts are not a list of objects")
+    return decode(blob[_PAYLOAD_HEADER.size : end], texts)
+
+
+def checksum(payload: bytes) -> str:
+    """The checksum a worker records of the payload it stored ("sha256:<hex>")."""
+    return "sha256:" + hashlib.sha256(payload).hexdigest()
 
 
 def _read(blob: bytes, typecode: str, offset: int, count: int) -> list:

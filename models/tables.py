@@ -393,7 +393,16 @@ class Group(Base):
     bound."""
 
     __tablename__ = "groups"
-    __table_args__ = (Index(None, "run_id", "trained_step"), Index(None, "run_id", "parked"))
+    __table_args__ = (
+        Index(None, "run_id", "trained_step"),
+        Index(None, "run_id", "parked"),
+        # The payload is inline (rollout, texts) or in the run's payload store, never both.
+        CheckConstraint(
+            "(payload_ref IS NULL) = (rollout IS NOT NULL) AND (payload_ref IS NULL) = (completion_texts IS NOT NULL)"
+            " AND (payload_ref IS NULL) = (payload_bytes IS NULL) AND (payload_ref IS NULL) = (payload_checksum IS NULL)",
+            name="payload_in_one_place",
+        ),
+    )
 
     attempt_id: Mapped[int] = mapped_column(
         BigId, ForeignKey("attempts.id", ondelete="CASCADE"), primary_key=True
@@ -409,10 +418,15 @@ class Group(Base):
     # (`refill.models.rollout_codec`): as JSONB numbers PostgreSQL parsed each one on insert.
     # Stored uncompressed on PostgreSQL (migration 0006): token ids barely compress. Both
     # payload columns are deferred: the ledger moves and lends groups by their other columns
-    # and only the trainer's claim reads the payload (as columns).
-    rollout: Mapped[bytes] = mapped_column(LargeBinary, deferred=True)
+    # and only the trainer's claim reads the payload (as columns). NULL for a claim check.
+    rollout: Mapped[bytes | None] = mapped_column(LargeBinary, deferred=True)
     # Each completion's text and finish reason, in order, readable in SQL.
-    completion_texts: Mapped[list[Any]] = mapped_column(JSONType, deferred=True)
+    completion_texts: Mapped[list[Any] | None] = mapped_column(JSONType, deferred=True)
+    # A claim check's payload: `<run_dir>/payloads/<payload_ref>` (models/payload_store.py)
+    # and its size and checksum as the worker wrote them, which the trainer's claim verifies.
+    payload_ref: Mapped[str | None] = mapped_column(String(64))
+    payload_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    payload_checksum: Mapped[str | None] = mapped_column(String(71))
     num_tokens: Mapped[int] = mapped_column(Integer)
     committed_at: Mapped[datetime]
     # Committed but in no slot: surplus kept for a later step (derivable from slots, but

@@ -4,11 +4,17 @@ weight version it produced, mark it trained.
 Steps train strictly in order: step s trains from weight version s and publishes s+1. A
 released step whose predecessor is not trained yet waits; the transaction that finishes step
 s queues step s+1 if it is already released.
+
+A group committed as a claim check has its payload in the run's payload store
+(`refill.models.payload_store`); the claim reads only its reference under the run's lock, and
+the payloads are read and verified (size, checksum, layout) when the trainer first asks for
+the batch's groups, after the claim's transaction: reading a step's rollouts under the lock
+would hold up every consumer of the run for as long.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -20,7 +26,8 @@ from refill.models.admission import admit
 from refill.models.barrier import queue_training
 from refill.models.context import RunContext
 from refill.models.metrics import seconds_between
-from refill.models.payload import TrainGroup
+from refill.models.payload import PayloadRef, TrainGroup
+from refill.models.payload_store import FileStore, StoredGroup, read_groups
 from refill.models.runs import check_completion
 from refill.models.slots import RunFailed, fail_run
 from refill.models.tables import (
@@ -38,14 +45,52 @@ class StalenessViolation(RuntimeError):
     pass
 
 
+@dataclass(frozen=True)
+class _Stored:
+    """A claimed group whose payload is still in the run's payload store."""
+
+    stored: StoredGroup
+    rewards: list[float]
+    weight_version: int
+
+
 @dataclass
 class TrainBatch:
     run_id: int
     step: int
     weight_version: int
-    groups: list[TrainGroup]
+    claimed: list[TrainGroup | _Stored]
     config: dict[str, Any]
     run_dir: str
+    _groups: list[TrainGroup] | None = field(default=None, init=False, repr=False)
+
+    @property
+    def groups(self) -> list[TrainGroup]:
+        """The step's groups in slot order. Payloads in the run's payload store are read and
+        verified on the first call (DamagedPayload names the run, step and group of one that is
+        missing or not what its worker wrote)."""
+        if self._groups is None:
+            stored = [item for item in self.claimed if isinstance(item, _Stored)]
+            read = iter(
+                read_groups(FileStore.of_run(self.run_dir), [s.stored for s in stored], f"run {self.run_id} step {self.step}")
+            )
+            groups = []
+            for item in self.claimed:
+                if isinstance(item, TrainGroup):
+                    groups.append(item)
+                    continue
+                prompt_token_ids, completions = next(read)
+                groups.append(
+                    TrainGroup(
+                        attempt_id=item.stored.attempt_id,
+                        prompt_token_ids=prompt_token_ids,
+                        completions=completions,
+                        rewards=item.rewards,
+                        weight_version=item.weight_version,
+                    )
+                )
+            self._groups = groups
+        return self._groups
 
 
 def claim_training(
@@ -96,12 +141,22 @@ def claim_training(
     # Columns, not Group objects: the step's groups are read once, under the run's lock, and
     # the session need not track thousands of large rows it never changes.
     rows = session.execute(
-        select(Group.attempt_id, Group.rollout, Group.completion_texts, Group.rewards, Group.weight_version)
+        select(
+            Group.attempt_id,
+            Group.rollout,
+            Group.completion_texts,
+            Group.rewards,
+            Group.weight_version,
+            Group.payload_ref,
+            Group.payload_bytes,
+            Group.payload_checksum,
+            Group.num_tokens,
+        )
         .join(Slot, Slot.group_attempt_id == Group.attempt_id)
         .where(Slot.run_id == run_id, Slot.step == step, Slot.status == SlotStatus.COMMITTED.value)
         .order_by(Slot.idx)
     )
-    groups = []
+    groups: list[TrainGroup | _Stored] = []
     for group in rows:
         if decisions.staleness(step, group.weight_version) > ctx.settings.max_lookahead_versions:
             raise StalenessViolation(
@@ -109,6 +164,11 @@ def claim_training(
                 f"staler than max_lookahead_versions={ctx.settings.max_lookahead_versions} for "
                 f"step {step}; refusing to train it"
             )
+        if group.payload_ref is not None:
+            ref = PayloadRef(group.payload_ref, group.payload_bytes, group.payload_checksum)
+            stored = StoredGroup(group.attempt_id, ref, len(group.rewards), group.num_tokens)
+            groups.append(_Stored(stored, list(group.rewards), group.weight_version))
+            continue
         try:
             prompt_token_ids, completions = rollout_codec.decode(group.rollout, group.completion_texts)
         except rollout_codec.RolloutFormatError as error:

@@ -8,7 +8,10 @@ already-committed result a recorded no-op.
 
 Batching several results per transaction amortises the run-row lock and the round trips;
 after commit, the outbox rows the batch wrote (replacement dispatches, train_step releases)
-are relayed at once rather than at the controller's next tick.
+are relayed at once rather than at the controller's next tick, and the stored payloads it did
+not commit (filtered, failed, refused claim checks) are removed, both on threads of their own.
+A claim check's body is a few hundred bytes whatever the rollout's length: the consumer never
+reads a payload.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from sqlalchemy import select
@@ -27,10 +30,10 @@ from refill.microbatcher import MicroBatcher
 from refill.models.clock import ledger_now
 from refill.models.db import Ledger
 from refill.models.payload import PayloadError, ResultMessage
+from refill.models.payload_store import FileStore, Remover
 from refill.models.results import record_results
 from refill.models.tables import RejectedResult, RejectReason, Run
 from refill.tasks.chaos import ConsumerChaos
-from refill.tasks.generation import estimated_result_bytes
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +54,8 @@ class ResultConsumer:
         self._relay = _BackgroundRelay(after_commit) if after_commit is not None else None
         self._chaos = ConsumerChaos()  # inert unless the fault suite sets its knob
         self._max_bytes: dict[int, int] = {}  # run -> infra.max_result_bytes (runs' configs never change)
+        self._stores: dict[int, FileStore] = {}  # run -> its payload store
+        self._remover = Remover()
         self._batcher: MicroBatcher[ResultMessage | _Malformed, str] = MicroBatcher(
             self._process, max_batch=max_batch, max_wait_ms=max_wait_ms, name="results-consumer"
         )
@@ -109,6 +114,13 @@ class ResultConsumer:
             log.error("refused malformed result: %s", error)
         if self._relay is not None and batch.outbox_ids:
             self._relay.submit(batch.outbox_ids)
+        discarded: dict[int, list[str]] = {}
+        for run_id, name in batch.discarded:
+            discarded.setdefault(run_id, []).append(name)
+        for run_id, names in discarded.items():
+            store = self._stores.get(run_id)
+            if store is not None:
+                self._remover.submit(store, names)
         return outcomes
 
     def _result_limits(self, session: Session, run_ids: set[int]) -> dict[int, int]:
@@ -116,8 +128,11 @@ class ResultConsumer:
         if missing:
             # Only the config column: loading Run entities here would put rows read before the
             # run lock into the session that record_results then locks and trusts.
-            for run_id, config in session.execute(select(Run.id, Run.config).where(Run.id.in_(missing))):
+            for run_id, config, run_dir in session.execute(
+                select(Run.id, Run.config, Run.run_dir).where(Run.id.in_(missing))
+            ):
                 limit = from_snapshot(config, source=f"run {run_id}'s stored config").infra.max_result_bytes
+                self._stores[run_id] = FileStore.of_run(run_dir)
                 self._max_bytes[run_id] = limit
         return self._max_bytes
 
@@ -125,6 +140,7 @@ class ResultConsumer:
         self._batcher.close(timeout=30)
         if self._relay is not None:
             self._relay.close(timeout=30)
+        self._remover.close(timeout=30)
 
 
 class _BackgroundRelay:
@@ -184,21 +200,21 @@ def _decode(body: Any) -> ResultMessage | _Malformed:
 
 def _within_limit(message: ResultMessage, limit: int | None) -> ResultMessage:
     """An oversized result becomes a data failure of its attempt: the limit holds on receipt,
-    not only in workers that check before sending."""
+    not only in workers that check before sending. (A claim check keeps its payload reference,
+    so the payload is removed with the failure.)"""
     if limit is None or message.error_kind is not None:
         return message
-    size = estimated_result_bytes(message)
+    size = message.estimated_bytes()
     if size <= limit:
         return message
     log.error("result for attempt %s from %s is about %d bytes, over %d", message.attempt_id, message.worker, size, limit)
-    return ResultMessage(
-        run_id=message.run_id,
-        attempt_id=message.attempt_id,
-        worker=message.worker,
-        weight_version=message.weight_version,
+    return replace(
+        message,
+        prompt_token_ids=[],
+        completions=[],
+        rewards=[],
         error_kind="data",
         error=f"result of about {size} bytes exceeds infra.max_result_bytes={limit} (refused by the consumer)",
-        generation_seconds=message.generation_seconds,
     )
 
 

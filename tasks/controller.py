@@ -28,6 +28,7 @@ from refill.config import InfraConfig, from_snapshot
 from refill.models.admission import admit_steps
 from refill.models.db import Ledger
 from refill.models.leases import expire_leases
+from refill.models.payload_store import PayloadKeeper
 from refill.models.runs import (
     RunStateError,
     check_run,
@@ -68,6 +69,8 @@ class Controller:
         self._broker_down_since: float | None = None
         self._risk_warned_step: int | None = None
         self._broker_warned = 0.0
+        # Sweeps the run's stored payloads and applies their retention (None: results inline).
+        self._payloads: PayloadKeeper | None = None
 
     def start(self, *, previous_controller: str | None = None, takeover_after_seconds: float = 30.0) -> None:
         """Take control of the run (resuming it if it was stopped or its controller died)."""
@@ -81,7 +84,9 @@ class Controller:
             ),
             what="start run",
         )
-        self._set_intervals(from_snapshot(run.config, source=f"run {self.run_id}'s stored config").infra)
+        config = from_snapshot(run.config, source=f"run {self.run_id}'s stored config")
+        self._set_intervals(config.infra)
+        self._payloads = PayloadKeeper.for_run(self.ledger, run, config)
 
     def _set_intervals(self, infra: InfraConfig) -> None:
         self.relay_interval = infra.relay_interval_seconds
@@ -93,6 +98,8 @@ class Controller:
         if now - self._last_housekeeping >= self.housekeeping_interval:
             self._last_housekeeping = now
             status = self._housekeeping()
+            if self._payloads is not None:
+                self._payloads.after_housekeeping(status)
             if status != RunStatus.RUNNING.value:
                 return status
         try:

@@ -7,6 +7,11 @@ A worker process has one engine (built from the run's config the first time the 
 seen), fronted by a `BatchingEngine` so that the many task threads of a `threads` pool feed it
 batches. A `LeaseKeeper` thread extends the leases of every attempt in flight in one
 statement per heartbeat.
+
+A finished group goes to the run's payload store (`infra.payloads.store: files`, the claim
+check): the worker checks its token ids and log-probs (here, where they are cheapest to check:
+the consumer's path is serial), packs and stores it, and sends a `ClaimCheckResult` of a few
+hundred bytes. With `inline` the group travels in the result message (body version 1).
 """
 
 from __future__ import annotations
@@ -25,16 +30,23 @@ from sqlalchemy import select, update
 
 from refill.config import RunConfig, from_snapshot
 from refill.microbatcher import MicroBatcher
+from refill.models import decisions, rollout_codec
 from refill.models.clock import ledger_now
 from refill.models.db import Ledger
 from refill.models.leases import Lease, start_attempts
-from refill.models.payload import GenerateMessage, ResultMessage
+from refill.models.payload import (
+    ClaimCheckResult,
+    GenerateMessage,
+    ResultMessage,
+    estimated_result_bytes,
+)
+from refill.models.payload_store import FileStore, store_for
+from refill.models.settings import LedgerSettings
 from refill.models.tables import Attempt, AttemptState, Run
 from refill.models.training import newest_weights
 from refill.rewards.loader import load_reward_fn
 from refill.rewards.scoring import RewardError, score_group
 from refill.tasks.backends import make_engine
-from refill.tasks.backends.base import GenerationOutput
 from refill.tasks.backends.engine_batching import BatchingEngine
 
 log = logging.getLogger(__name__)
@@ -43,14 +55,6 @@ log = logging.getLogger(__name__)
 WEIGHTS_TTL = 0.05
 #: Threads that run the attempts of bundled generate messages, per worker process.
 BUNDLE_THREADS = 256
-
-
-def estimated_result_bytes(output: GenerationOutput) -> int:
-    """A cheap upper estimate of the JSON size of a result (no serialisation on the hot path)."""
-    size = 256 + 8 * len(output.prompt_token_ids)
-    for completion in output.completions:
-        size += 128 + 8 * len(completion.token_ids) + 24 * len(completion.logprobs) + 2 * len(completion.text)
-    return size
 
 
 @dataclass
@@ -62,6 +66,9 @@ class _RunEngine:
     heartbeat_seconds: float
     max_result_bytes: int
     lease_seconds: float
+    #: the run's payload store; None when results carry their groups inline
+    store: FileStore | None
+    settings: LedgerSettings
 
 
 class GenerationService:
@@ -184,8 +191,12 @@ class GenerationService:
         request = replace(message, min_weight_version=max(message.min_weight_version, lease.min_weight_version))
         started = time.perf_counter()
 
+        # With a payload store every result is a claim check's body (version 2), failures too:
+        # it bounds an engine's error text, so no message grows with what went wrong.
+        message_type = ResultMessage if run_engine.store is None else ClaimCheckResult
+
         def failure(kind: str, error: str, version: int | None = None) -> ResultMessage:
-            return ResultMessage(
+            return message_type(
                 run_id=message.run_id,
                 attempt_id=message.attempt_id,
                 worker=self.worker,
@@ -200,19 +211,16 @@ class GenerationService:
         except Exception as error:  # noqa: BLE001 - any engine failure is this attempt's infra failure
             log.warning("attempt %s: engine failed: %r", message.attempt_id, error)
             return failure("infra", f"{type(error).__name__}: {error}")
-        size = estimated_result_bytes(output)
-        if size > run_engine.max_result_bytes:
-            return failure(
-                "data",
-                f"result of about {size} bytes exceeds infra.max_result_bytes="
-                f"{run_engine.max_result_bytes}; lower generation.max_new_tokens or raise the limit",
-                output.weight_version,
-            )
+        if run_engine.store is None:
+            # Inline, the message is the result: its estimated JSON is what the limit bounds.
+            size = estimated_result_bytes(output)
+            if size > run_engine.max_result_bytes:
+                return failure("data", _oversized(size, run_engine.max_result_bytes), output.weight_version)
         try:
             rewards = score_group(run_engine.reward_fn, [c.text for c in output.completions], message.row)
         except RewardError as error:
             return failure("data", str(error), output.weight_version)
-        return ResultMessage(
+        result = ResultMessage(
             run_id=message.run_id,
             attempt_id=message.attempt_id,
             worker=self.worker,
@@ -226,6 +234,43 @@ class GenerationService:
                 else time.perf_counter() - started
             ),
         )
+        if run_engine.store is None:
+            return result
+        return self._stored(run_engine, result, failure)
+
+    def _stored(
+        self, run_engine: _RunEngine, result: ResultMessage, failure: Callable[..., ResultMessage]
+    ) -> ResultMessage:
+        """The claim check of `result`: its group checked, packed and stored in the run's
+        payload store, and the small message that names it."""
+        store = run_engine.store
+        assert store is not None
+        settings = run_engine.settings
+        problem, rollout = decisions.checked_payload(result, settings.group_size, settings.vocab_size)
+        if problem is not None:
+            return failure("data", problem, result.weight_version)
+        assert rollout is not None  # no problem: checked_payload built it
+        payload = rollout_codec.pack_payload(rollout, rollout_codec.texts(result.completions))
+        if len(payload) > run_engine.max_result_bytes:
+            return failure("data", _oversized(len(payload), run_engine.max_result_bytes), result.weight_version)
+        try:
+            ref = store.put(result.attempt_id, payload)
+        except OSError as error:
+            # The shared storage is full or unreachable from this worker: an infra failure, so
+            # the prompt is tried again (elsewhere, or once the storage is back).
+            log.warning("attempt %s: storing its payload under %s failed: %r", result.attempt_id, store.root, error)
+            return failure("infra", f"could not store the payload under {store.root}: {error}", result.weight_version)
+        return ClaimCheckResult(
+            run_id=result.run_id,
+            attempt_id=result.attempt_id,
+            worker=result.worker,
+            weight_version=result.weight_version,
+            rewards=result.rewards,
+            generation_seconds=result.generation_seconds,
+            payload=ref,
+            prompt_length=len(result.prompt_token_ids),
+            lengths=[len(c.token_ids) for c in result.completions],
+        )
 
     # --- the engine of a run -------------------------------------------------------------
 
@@ -234,7 +279,7 @@ class GenerationService:
             current = self._current
             if current is not None and current.run_id == run_id:
                 return current
-            config = self.ledger.transaction(lambda s: _run_config(s, run_id), what="read run config")
+            config, run_dir = self.ledger.transaction(lambda s: _run_config_and_dir(s, run_id), what="read run config")
             if current is not None:
                 # One engine per process: a worker moved to another run frees the GPU first.
                 log.info("switching engine from run %s to run %s", current.run_id, run_id)
@@ -251,6 +296,8 @@ class GenerationService:
                 heartbeat_seconds=config.generation.heartbeat_seconds,
                 lease_seconds=config.generation.lease_seconds,
                 max_result_bytes=config.infra.max_result_bytes,
+                store=store_for(config, run_dir),
+                settings=LedgerSettings.from_config(config),
             )
             return self._current
 
@@ -277,10 +324,21 @@ class GenerationService:
 
 
 def _run_config(session, run_id: int) -> RunConfig:  # type: ignore[no-untyped-def]
-    config = session.scalar(select(Run.config).where(Run.id == run_id))
-    if config is None:
+    return _run_config_and_dir(session, run_id)[0]
+
+
+def _run_config_and_dir(session, run_id: int) -> tuple[RunConfig, str]:  # type: ignore[no-untyped-def]
+    row = session.execute(select(Run.config, Run.run_dir).where(Run.id == run_id)).first()
+    if row is None:
         raise LookupError(f"there is no run {run_id} in the ledger")
-    return from_snapshot(config, source=f"run {run_id}'s stored config")
+    return from_snapshot(row.config, source=f"run {run_id}'s stored config"), row.run_dir
+
+
+def _oversized(size: int, limit: int) -> str:
+    return (
+        f"result of about {size} bytes exceeds infra.max_result_bytes={limit}; "
+        "lower generation.max_new_tokens or raise the limit"
+    )
 
 
 class LeaseKeeper:

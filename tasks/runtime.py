@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 
+from refill.models.payload import estimated_body_bytes
 from refill.tasks import chaos
 from refill.tasks.outage import PatientLedger
 
@@ -168,15 +169,6 @@ class ResultSender:
 
     def close(self) -> None:
         self._batcher.close(timeout=30)
-
-
-def estimated_body_bytes(body: dict[str, Any]) -> int:
-    """A cheap upper estimate of a result body's JSON size (as refill.tasks.generation's)."""
-    size = 256 + 8 * len(body.get("prompt_token_ids") or ())
-    for completion in body.get("completions") or ():
-        size += 128 + 8 * len(completion.get("token_ids") or ()) + 24 * len(completion.get("logprobs") or ())
-        size += 2 * len(completion.get("text") or "")
-    return size + 2 * len(body.get("error") or "")
 
 
 _runtimes: dict[int, Runtime] = {}

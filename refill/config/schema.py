@@ -286,6 +286,21 @@ class RolloutFailureConfig(_Section):
     max_consecutive_dropped_prompts: int = Field(16, ge=1)
 
 
+class PayloadsConfig(_Section):
+    # Where a group's rollout goes from the generation worker to the trainer. "files": the
+    # claim check, stored under the run's directory (`<run_dir>/payloads`, shared by every
+    # worker and the trainer, as the weights are), the result message carries its name, size
+    # and checksum (a few hundred bytes at any rollout length). "inline": in the result
+    # message itself (JSON through the broker; the message grows with the rollout).
+    store: Literal["files", "inline"] = "files"
+    # The controller removes the stored payloads no committed group holds (a worker that died
+    # after storing one, a consumer that died before removing a discarded one) this often.
+    sweep_interval_seconds: float = Field(60.0, gt=0)
+    # A finished run's payloads: "keep" them until `refill gc RUN`, or "delete" them when the
+    # run completes or fails (a stopped run keeps them: it may resume).
+    retention: Literal["keep", "delete"] = "keep"
+
+
 class InfraConfig(_Section):
     # REFILL_DATABASE_URL / REFILL_BROKER_URL override these; see resolved_urls().
     database_url: str | None = None
@@ -295,6 +310,7 @@ class InfraConfig(_Section):
     consumer_batch_size: int = Field(64, ge=1)
     consumer_batch_wait_ms: float = Field(20, ge=0)
     max_result_bytes: int = Field(64 * MiB, ge=1024)
+    payloads: PayloadsConfig = Field(default_factory=PayloadsConfig)
     # The controller's loop: relay the outbox every relay interval; admit, reap expired leases
     # and check the run's end every reaper interval.
     relay_interval_seconds: float = Field(0.05, gt=0)
