@@ -39,6 +39,7 @@ from refill.models.runs import (
 from refill.models.tables import RunStatus
 from refill.tasks.queues import CONTROL, TASK_DRIVE_RUN
 from refill.tasks.relay import relay
+from refill.tracking import StepTracking
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,9 @@ class Controller:
         self._broker_warned = 0.0
         # Sweeps the run's stored payloads and applies their retention (None: results inline).
         self._payloads: PayloadKeeper | None = None
+        # The experiment trackers the run's config enables (None: none). The controller logs
+        # to them because one controller at a time drives a run (refill.tracking).
+        self.tracking: StepTracking | None = None
 
     def start(self, *, previous_controller: str | None = None, takeover_after_seconds: float = 30.0) -> None:
         """Take control of the run (resuming it if it was stopped or its controller died)."""
@@ -87,6 +91,7 @@ class Controller:
         config = from_snapshot(run.config, source=f"run {self.run_id}'s stored config")
         self._set_intervals(config.infra)
         self._payloads = PayloadKeeper.for_run(self.ledger, run, config)
+        self.tracking = StepTracking.for_run(self.ledger, self.run_id, self.controller_id)
 
     def _set_intervals(self, infra: InfraConfig) -> None:
         self.relay_interval = infra.relay_interval_seconds
@@ -100,6 +105,7 @@ class Controller:
             status = self._housekeeping()
             if self._payloads is not None:
                 self._payloads.after_housekeeping(status)
+            self._track(status)
             if status != RunStatus.RUNNING.value:
                 return status
         try:
@@ -141,6 +147,22 @@ class Controller:
             )
         self._warn_budget_risk()
         return self.ledger.transaction(lambda s: check_run(s, self.run_id), what="check run")
+
+    def _track(self, status: str) -> None:
+        if self.tracking is None:
+            return
+        # Also once the run has ended: its last step is trained in the trainer's transaction
+        # that completes the run.
+        self.tracking.sync()
+        if status != RunStatus.RUNNING.value:
+            self.tracking.close(status)
+            self.tracking = None
+
+    def stop_tracking(self) -> None:
+        """Close the trackers while the run goes on (a detached controller's slice is over)."""
+        if self.tracking is not None:
+            self.tracking.close(None)
+            self.tracking = None
 
     def _warn_budget_risk(self) -> None:
         """Say so while the run is healthy if its dynamic-sampling budget is likely to run out
@@ -203,7 +225,10 @@ def drive_slice(runtime: Any, body: dict[str, Any]) -> str:
     except RunStateError as error:
         log.info("slice %s of run %s does not drive it: %s", me, run_id, error)
         return "not-mine"
-    status = controller.run(max_seconds=float(body.get("slice_seconds", SLICE_SECONDS)))
+    try:
+        status = controller.run(max_seconds=float(body.get("slice_seconds", SLICE_SECONDS)))
+    finally:
+        controller.stop_tracking()
     if status == RunStatus.RUNNING.value:
         send_drive(runtime.app, run_id, base, number + 1, body.get("slice_seconds", SLICE_SECONDS))
         return "continued"

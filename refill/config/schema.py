@@ -25,7 +25,7 @@ from pydantic import (
     model_validator,
 )
 
-from refill.config.urls import redact_url
+from refill.config.urls import redact_url, url_has_password
 from refill.config.warnings import config_warnings
 
 MiB = 1024 * 1024
@@ -321,6 +321,48 @@ class InfraConfig(_Section):
     max_train_attempts: int = Field(3, ge=1)
 
 
+class TensorBoardConfig(_Section):
+    enabled: bool = False
+    # None: <run_dir>/tensorboard. Set: <dir>/<run name>-<run id>, so runs can share one
+    # `tensorboard --logdir <dir>`.
+    dir: PathStr | None = None
+
+
+class WandbConfig(_Section):
+    enabled: bool = False
+    project: str = Field("refill", min_length=1)
+    entity: str | None = None
+    # "offline" writes the run under WANDB_DIR (else the run directory) and needs no network;
+    # `wandb sync` uploads it later.
+    mode: Literal["online", "offline"] = "online"
+
+
+class MlflowConfig(_Section):
+    enabled: bool = False
+    # None: MLflow's own choice (MLFLOW_TRACKING_URI, else its default store).
+    tracking_uri: str | None = None
+    experiment: str = Field("refill", min_length=1)
+
+    @field_validator("tracking_uri")
+    @classmethod
+    def _no_password(cls, value: str | None) -> str | None:
+        # The config is stored in the ledger and logged as the run's parameters.
+        if url_has_password(value):
+            raise ValueError(
+                "must not hold a password (the ledger stores the config); put the credentials "
+                "in MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD"
+            )
+        return value
+
+
+class LoggingConfig(_Section):
+    """Experiment trackers: each trained step's metrics, logged by the run's controller."""
+
+    tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    mlflow: MlflowConfig = Field(default_factory=MlflowConfig)
+
+
 SECTIONS: dict[str, type[_Section]] = {
     "run": RunSection,
     "data": DataConfig,
@@ -333,6 +375,7 @@ SECTIONS: dict[str, type[_Section]] = {
     "async_rl": AsyncRLConfig,
     "rollout_failure": RolloutFailureConfig,
     "infra": InfraConfig,
+    "logging": LoggingConfig,
 }
 
 
@@ -351,6 +394,7 @@ class RunConfig(_Section):
     async_rl: AsyncRLConfig = Field(default_factory=AsyncRLConfig)
     rollout_failure: RolloutFailureConfig = Field(default_factory=RolloutFailureConfig)
     infra: InfraConfig = Field(default_factory=InfraConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
 
     # Warnings only the loader can know (what the file said before ${VAR} expansion).
     _load_warnings: list[str] = PrivateAttr(default_factory=list)
