@@ -62,8 +62,13 @@ def check_budgets(ctx: Context) -> list[Violation]:
             flag(f"{fr} filter replacements, past the dynamic-sampling budget of {fb}")
         if dr > db:
             flag(f"{dr} drop replacements, past the fault-tolerance budget of {db}")
-        # The slot's own budgets decide (an operator may change them in SQL), so the counters
-        # are checked against them, never against the run's config.
+        if fb != settings.filter_budget:
+            flag(
+                f"filter budget is {fb}, but the run's config says "
+                f"dynamic_sampling_max_replacements_per_slot={settings.filter_budget}"
+            )
+        if db != settings.drop_budget:
+            flag(f"drop budget is {db}, but the run's config allows {settings.drop_budget}")
         if slot.filtered > fb and not exhausted:
             flag(
                 f"filtered {slot.filtered} times, past its budget of {fb}, but the run is "
