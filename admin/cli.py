@@ -72,6 +72,11 @@ def _register() -> None:
     app.command("plot")(metrics_commands.plot)
     app.command("check")(check_command.check)
 
+    # Observability (issue 19): Prometheus metrics of the ledger and the broker.
+    from refill.admin.exporter_command import exporter
+
+    app.command("exporter")(exporter)
+
 
 @config_app.command("check")
 def config_check(
