@@ -10,6 +10,9 @@
   only after its work is certainly abandoned, and the ledger's reaper has usually
   re-dispatched it long before (the repeat is then refused by the lease handshake).
 - No result backend, no chords or groups: nothing depends on Celery results (SPEC §2).
+- Task events are off unless asked for (`refill worker ROLE --events`, or REFILL_WORKER_EVENTS=1
+  in the environment, as docker/compose.yaml passes it): Flower shows tasks only with them, and
+  they cost a broker publish per task state change (README, "Watching a run").
 - A worker lives through a Redis restart: it reconnects (kombu's Redis transport, with the
   guard in refill.tasks.redis_transport), and what the lost connection held comes back by the
   visibility timeout or the ledger's reaper.
@@ -32,10 +35,26 @@ from refill.tasks.queues import CONTROL, QUEUES, ROUTES
 EMBEDDED_BROKER = "memory://"
 #: Seconds an unacknowledged message stays invisible on Redis before it is delivered again.
 DEFAULT_VISIBILITY_TIMEOUT = 6 * 3600
+#: Set to 1 to send Celery task events (what Flower shows); `refill worker --events` sets it.
+EVENTS_ENV = "REFILL_WORKER_EVENTS"
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
 
 def broker_url_from_env() -> str:
     return os.environ.get("REFILL_BROKER_URL") or EMBEDDED_BROKER
+
+
+def events_from_env() -> bool:
+    value = os.environ.get(EVENTS_ENV, "").strip().lower()
+    if value not in _TRUE + _FALSE:
+        raise ValueError(f"{EVENTS_ENV}={os.environ[EVENTS_ENV]!r}: set it to 1 (task events on) or 0 (off)")
+    return value in _TRUE
+
+
+def event_settings(enabled: bool) -> dict[str, bool]:
+    """Task events from workers (received, started, succeeded...) and from whatever sends tasks
+    (sent): what Flower and `celery events` show."""
+    return {"worker_send_task_events": enabled, "task_send_sent_event": enabled}
 
 
 def celery_settings(broker_url: str, key_prefix: str | None = None) -> dict[str, Any]:
@@ -88,8 +107,7 @@ def celery_settings(broker_url: str, key_prefix: str | None = None) -> dict[str,
         "task_queues": [Queue(name, exchange, routing_key=name) for name in QUEUES],
         "task_routes": {name: {"queue": queue, "routing_key": queue} for name, queue in ROUTES.items()},
         "task_create_missing_queues": False,
-        "worker_send_task_events": False,
-        "task_send_sent_event": False,
+        **event_settings(events_from_env()),
     }
 
 
