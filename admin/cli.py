@@ -58,7 +58,13 @@ def _register() -> None:
     app.command("gc")(gc)
 
     # Inspecting the ledger (issue 5).
-    from refill.admin import check_command, inspect_commands, metrics_commands, tail_command
+    from refill.admin import (
+        check_command,
+        inspect_commands,
+        metrics_commands,
+        prompt_commands,
+        tail_command,
+    )
 
     run_app.command("show")(inspect_commands.run_show)
     app.command("runs")(inspect_commands.runs)
@@ -71,6 +77,7 @@ def _register() -> None:
     app.command("metrics")(metrics_commands.metrics)
     app.command("plot")(metrics_commands.plot)
     app.command("check")(check_command.check)
+    app.command("prompts")(prompt_commands.prompts)
 
     # Observability (issue 19): Prometheus metrics of the ledger and the broker.
     from refill.admin.exporter_command import exporter

@@ -10,7 +10,8 @@ constraint dropped by hand, or a bug in a migration must still be caught, and wh
 constraint covers a counter the checks also compare the counter with the rows it counts.
 
 The checks live by what they guard: `group_invariants` (committed groups), `slot_invariants`
-(slots, steps and their counters) and `run_invariants` (weight versions, outbox, spare pool);
+(slots, steps and their counters), `run_invariants` (weight versions, outbox, spare pool) and
+`prompt_invariants` (the loader's draws under prompt skipping);
 `invariant_types` holds what they share. This module lists them and runs them.
 
 Run them on one snapshot (`refill.admin.snapshot.read_snapshot`: REPEATABLE READ on PostgreSQL),
@@ -29,6 +30,7 @@ from refill.admin.group_invariants import (
 )
 from refill.admin.invariant_types import Check, CheckResult, Context, Report
 from refill.admin.payload_invariants import check_payloads
+from refill.admin.prompt_invariants import check_prompt_draws
 from refill.admin.run_invariants import check_messages, check_spare_pool, check_weight_versions
 from refill.admin.slot_invariants import (
     check_budgets,
@@ -52,6 +54,7 @@ CHECKS: tuple[Check, ...] = (
     Check("outbox", "pending attempts have an unsent message; released steps have metrics and a train_step message", check_messages),
     Check("spare_pool", "a taken spare prompt is run by the attempt that took it", check_spare_pool),
     Check("payloads", "every committed, untrained group's stored payload exists, at the size its worker wrote", check_payloads),
+    Check("prompt_draws", "under prompt skipping: every place of each epoch drawn once, in order; each skip replays from its seeded uniform and probability; no taken prompt lost; skipped_prompts agree", check_prompt_draws),
 )
 
 

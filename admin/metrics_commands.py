@@ -5,7 +5,8 @@ written at release and completed by the trainer). The plot shows whether learnin
 the trained reward looks flat: trained reward (after the filter), unfiltered reward (every
 finished attempt) and first-attempt reward (what a run without dynamic sampling would see)
 together; the zero-variance fraction (does the filter have work?); and the step fill time next
-to the trainer's idle time.
+to the trainer's idle time; and what each trained group cost in rollouts and tokens, beside
+the prompts pre-rollout skipping passed over.
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ PANELS: list[tuple[str, list[str]]] = [
     ("mean reward", ["reward", "unfiltered_reward", "first_attempt_reward"]),
     ("fraction", ["zero_variance_fraction"]),
     ("seconds", ["step_fill_seconds", "trainer_idle_seconds"]),
+    # What a trained group cost (about 1 / (1 - p) generations under dynamic sampling), and
+    # what pre-rollout skipping passed over instead (data.prompt_skipping).
+    ("rollouts / group", ["rollouts_per_trained_group"]),
+    ("tokens / group", ["generated_tokens_per_trained_group"]),
+    ("prompts", ["skipped_prompts"]),
 ]
 #: PNG text chunk that lists the legend labels drawn, in order (comma-separated).
 SERIES_KEY = "refill.series"
@@ -81,10 +87,11 @@ def plot(
     database_url: DatabaseUrl = None,
     as_json: AsJson = False,
 ) -> None:
-    """Plot the run's rewards, zero-variance fraction and timings into a PNG.
+    """Plot the run's rewards, zero-variance fraction, timings and costs into a PNG.
 
-    Three panels per step: reward, unfiltered_reward and first_attempt_reward together;
-    zero_variance_fraction; step_fill_seconds and trainer_idle_seconds."""
+    Panels per step: reward, unfiltered_reward and first_attempt_reward together;
+    zero_variance_fraction; step_fill_seconds and trainer_idle_seconds;
+    rollouts_per_trained_group; generated_tokens_per_trained_group; skipped_prompts."""
     if output.suffix.lower() != ".png":
         fail(f"{output}: the plot is a PNG; name the file *.png", EXIT_BAD_INPUT)
     if output.parent and not output.parent.exists():
@@ -103,7 +110,7 @@ def plot(
 
 
 def render(rows: list[dict[str, Any]], output: Path, *, title: str, run_id: int) -> list[str]:
-    """Draw the three panels into `output`; returns the legend labels drawn, which are also
+    """Draw the panels into `output`; returns the legend labels drawn, which are also
     stored in the PNG's `refill.series` text chunk."""
     # The object API with an explicit Agg canvas: no pyplot, no global backend switch.
     from matplotlib.backends.backend_agg import FigureCanvasAgg

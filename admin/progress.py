@@ -25,6 +25,8 @@ COLUMNS = [
     ("filtered_groups", "filt", "{}"),
     ("replaced_prompt_groups", "repl", "{}"),
     ("promoted_prompt_groups", "borr", "{}"),
+    ("rollouts_per_trained_group", "gen/grp", "{:.2f}"),
+    ("skipped_prompts", "skip", "{}"),
     ("step_fill_seconds", "fill s", "{:.2f}"),
     ("loss", "loss", "{:.4f}"),
 ]

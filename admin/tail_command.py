@@ -92,7 +92,9 @@ def _step_line(row: dict[str, Any]) -> str:
     return (
         f"step {row['step']}: reward {f('reward')} (unfiltered {f('unfiltered_reward')}, first-attempt "
         f"{f('first_attempt_reward')}, zero-var {f('zero_variance_fraction', 2)}, filtered "
-        f"{row.get('filtered_groups')}, fill {f('step_fill_seconds', 2)}s)"
+        f"{row.get('filtered_groups')}, fill {f('step_fill_seconds', 2)}s, rollouts/group "
+        f"{f('rollouts_per_trained_group', 2)}, tokens/group {f('generated_tokens_per_trained_group', 0)}, "
+        f"skipped {row.get('skipped_prompts')})"
     )
 
 

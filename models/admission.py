@@ -44,7 +44,7 @@ def admit(ctx: RunContext) -> list[int]:
         and not run.loader_exhausted
         and decisions.admissible(run.next_step, run.weight_version, settings.max_lookahead_versions)
     ):
-        prompt_ids = draw(ctx, settings.num_prompts_per_step)
+        prompt_ids = draw(ctx, settings.num_prompts_per_step, step=run.next_step)
         if len(prompt_ids) < settings.num_prompts_per_step:
             # A partial batch cannot make a step; its prompts still serve replacements.
             if settings.needs_spare_pool:

@@ -6,6 +6,11 @@ live one would have. The spare pool holds prompts drawn ahead to serve replaceme
 topped up by one batch of `num_prompts_per_step` whenever it falls below
 `rollout_failure.replacement_reserve_prompts`, in the same transaction that took from it, so
 it can only be empty when the loader is exhausted (SPEC §3.4).
+
+Under pre-rollout skipping (`data.prompt_skipping`, `refill.models.skipping`) the loader walks
+the same order, and a prompt it skips costs its place in the epoch and no generation: a draw
+of `count` prompts goes on past skipped ones until it has `count` (or the data ends), so the
+spare pool's mark, `max_num_epochs` and the end of the data count what is generated.
 """
 
 from __future__ import annotations
@@ -13,11 +18,16 @@ from __future__ import annotations
 from functools import lru_cache
 
 import numpy as np
-from sqlalchemy import select
+from sqlalchemy import func, insert, select
 
-from refill.models.context import RunContext
+from refill.models import decisions, skipping
+from refill.models.context import RunContext, literal_in
 from refill.models.decisions import spare_refill_needed
-from refill.models.tables import Attempt, Prompt, SparePrompt
+from refill.models.tables import Attempt, Prompt, PromptDraw, SparePrompt, Step, StepStatus
+
+#: Places read ahead per query under skipping: at least this many, else twice what is still
+#: wanted (about what a half-skipping loader needs; more is read only when it runs short).
+SKIP_WINDOW = 64
 
 
 @lru_cache(maxsize=32)
@@ -28,30 +38,104 @@ def epoch_order(num_prompts: int, seed: int, epoch: int, shuffle: bool) -> tuple
     return tuple(int(i) for i in rng.permutation(num_prompts))
 
 
-def draw(ctx: RunContext, count: int) -> list[int]:
-    """Take up to `count` prompt ids from the loader (fewer only when it is exhausted)."""
+def draw(ctx: RunContext, count: int, step: int | None = None) -> list[int]:
+    """Take up to `count` prompt ids from the loader (fewer only when it is exhausted), for
+    step `step` (admission's), else for the spare pool."""
     run, settings = ctx.run, ctx.settings
+    if skipping.skip_settings(run).enabled:
+        return _draw_skipping(ctx, count, step)
     positions: list[int] = []
     while len(positions) < count and not run.loader_exhausted:
         order = epoch_order(run.num_prompts, settings.seed, run.loader_epoch, settings.shuffle)
         take = order[run.loader_cursor : run.loader_cursor + count - len(positions)]
         positions.extend(take)
-        run.loader_cursor += len(take)
-        if run.loader_cursor >= run.num_prompts:
-            run.loader_epoch += 1
-            run.loader_cursor = 0
-            if settings.max_num_epochs is not None and run.loader_epoch >= settings.max_num_epochs:
-                run.loader_exhausted = True
+        _advance(ctx, len(take))
+    return _prompt_ids(ctx, positions)
+
+
+def _advance(ctx: RunContext, places: int) -> None:
+    """Move the cursor `places` on, into the next epoch at the end of one."""
+    run, settings = ctx.run, ctx.settings
+    run.loader_cursor += places
+    if run.loader_cursor >= run.num_prompts:
+        run.loader_epoch += 1
+        run.loader_cursor = 0
+        if settings.max_num_epochs is not None and run.loader_epoch >= settings.max_num_epochs:
+            run.loader_exhausted = True
+
+
+def _prompt_ids(ctx: RunContext, positions: list[int] | tuple[int, ...]) -> list[int]:
     if not positions:
         return []
     by_position = dict(
         ctx.session.execute(
             select(Prompt.position, Prompt.id).where(
-                Prompt.run_id == run.id, Prompt.position.in_(positions)
+                Prompt.run_id == ctx.run.id, literal_in(Prompt.position, sorted(set(positions)))
             )
         ).all()
     )
     return [by_position[p] for p in positions]
+
+
+def _draw_skipping(ctx: RunContext, count: int, step: int | None) -> list[int]:
+    """`draw` under pre-rollout skipping: each place reached is decided, recorded in
+    `prompt_draws`, and skipped or taken (`refill.models.skipping`)."""
+    run, settings = ctx.run, ctx.settings
+    skip = skipping.skip_settings(run)
+    # The history must hold the groups this transaction scored: a flush, once per draw.
+    ctx.session.flush()
+    if step is None:
+        step = _spare_pool_step(ctx)
+    rates = skipping.exploration_rates(run, skip)
+    kept: list[int] = []
+    rows: list[dict] = []  # type: ignore[type-arg]
+    while len(kept) < count and not run.loader_exhausted:
+        epoch, start = run.loader_epoch, run.loader_cursor
+        order = epoch_order(run.num_prompts, settings.seed, epoch, settings.shuffle)
+        uniforms = skipping.epoch_uniforms(run.num_prompts, settings.seed, epoch)
+        prompt_ids = _prompt_ids(ctx, order[start : start + max(SKIP_WINDOW, 2 * (count - len(kept)))])
+        history = skipping.streaks(ctx.session, run.id, prompt_ids)
+        used = 0
+        for offset, prompt_id in enumerate(prompt_ids):
+            kind, streak = history.get(prompt_id, (None, 0))
+            rate = rates[kind] if kind is not None else None
+            probability = 0.0 if rate is None else decisions.skip_probability(streak, rate, skip.min_exploration)
+            uniform = uniforms[start + offset]
+            passed = decisions.skipped(uniform, probability)
+            rows.append(
+                {
+                    "run_id": run.id,
+                    "epoch": epoch,
+                    "position": start + offset,
+                    "prompt_id": prompt_id,
+                    "step": step,
+                    "skipped": passed,
+                    "streak_kind": None if kind is None else kind.value,
+                    "streak": streak,
+                    "exploration": rate,
+                    "probability": probability,
+                    "uniform": uniform,
+                    "drawn_at": ctx.now,
+                }
+            )
+            used = offset + 1
+            if not passed:
+                kept.append(prompt_id)
+                if len(kept) == count:
+                    break
+        _advance(ctx, used)
+    if rows:
+        ctx.session.execute(insert(PromptDraw.__table__), rows)
+    return kept
+
+
+def _spare_pool_step(ctx: RunContext) -> int:
+    """The step a spare pool's draw is for: the earliest open one (its release counts what was
+    skipped), else the next to be admitted."""
+    earliest = ctx.session.scalar(
+        select(func.min(Step.step)).where(Step.run_id == ctx.run.id, Step.status == StepStatus.OPEN.value)
+    )
+    return ctx.run.next_step if earliest is None else int(earliest)
 
 
 def refill_spare_pool(ctx: RunContext) -> int:

@@ -103,6 +103,29 @@ def _check_row(row: Any, prompt_key: str, template: str, fields: list[str]) -> s
     return None
 
 
+def prompt_id_of(row: dict[str, Any], field: str) -> str:
+    """A row's id under `data.prompt_id_field`, as text (an integer id 7 is "7")."""
+    return str(row[field])
+
+
+def _check_id(row: dict[str, Any], field: str, line: int, seen: dict[str, int]) -> str | None:
+    """Why a row's `data.prompt_id_field` cannot identify it, or None; `seen` maps the ids met
+    so far to their lines (a prompt's history is kept by its identity, so two rows must not
+    share one)."""
+    if field not in row:
+        return f"has no {field!r} field (data.prompt_id_field names each row's id)"
+    value = row[field]
+    if isinstance(value, bool) or not isinstance(value, str | int):
+        return f"field {field!r} (data.prompt_id_field) is a JSON {_json_kind(value)}; an id is a string or an integer"
+    key = prompt_id_of(row, field)
+    if not key.strip():
+        return f"field {field!r} (data.prompt_id_field) is empty"
+    if key in seen:
+        return f"has the id {key!r} (data.prompt_id_field) of line {seen[key]}; ids must be distinct"
+    seen[key] = line
+    return None
+
+
 def _json_kind(value: Any) -> str:
     if value is None:
         return "null"
@@ -175,8 +198,13 @@ def load_dataset(config: Any) -> list[dict[str, Any]]:
         raise DatasetError("data", [RowProblem(None, "set data.train_path or data.builtin")])
 
     rows: list[dict[str, Any]] = []
+    seen_ids: dict[str, int] = {}
+    # A duck-typed `data` of ledger code may predate the knob; lacking it means no id field.
+    id_field = getattr(data, "prompt_id_field", None)
     for number, row in numbered:
         why = _check_row(row, data.prompt_key, data.prompt_template, fields)
+        if why is None and id_field is not None:
+            why = _check_id(row, id_field, number, seen_ids)
         if why is None:
             rows.append(row)
         else:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from refill.models.payload import ResultMessage
@@ -323,3 +323,69 @@ def extra_attempts(slots_needed: int, live_attempts: int, p: float, safety_sigma
     # rounding up to one attempt too many, as in min_step_groups.
     wanted = math.ceil(root * root - 1e-9)
     return max(0, min(cap, wanted - live_attempts))
+
+
+# --- pre-rollout skipping (issue 15; GRESO, arXiv 2506.02177) ------------------------------
+
+
+class GroupKind(enum.StrEnum):
+    SOLVED = "solved"  # zero-variance, every completion rewarded (GRESO's "easy")
+    FAILED = "failed"  # zero-variance, none rewarded ("hard")
+    MIXED = "mixed"  # rewards with spread: a useful group
+
+
+def group_kind(zero_variance: bool, reward_mean: float) -> GroupKind:
+    """A scored group's kind. Its rewards are all equal when it is zero-variance; refill's
+    reward functions give a failure 0 and a success more, so that reward above 0 is all
+    solved. (The `prompt_history` view says the same in SQL.)"""
+    if not zero_variance:
+        return GroupKind.MIXED
+    return GroupKind.SOLVED if reward_mean > 0 else GroupKind.FAILED
+
+
+def zero_variance_streak(kinds_newest_first: Iterable[GroupKind | str]) -> tuple[GroupKind | None, int]:
+    """`(kind, k)`: the prompt's last `k` scored groups were all zero-variance of `kind` (all
+    solved, or all failed: a change of kind ends the streak); `(None, 0)` when its last group
+    had spread or it has none."""
+    kind: GroupKind | None = None
+    streak = 0
+    for each in kinds_newest_first:
+        each = GroupKind(each)
+        if kind is None:
+            if each is GroupKind.MIXED:
+                return None, 0
+            kind = each
+        elif each is not kind:
+            break
+        streak += 1
+    return kind, streak
+
+
+def skip_probability(streak: int, exploration_rate: float, min_exploration: float) -> float:
+    """GRESO's skip probability of a prompt whose last `streak` groups were zero-variance:
+    it is generated with probability `exploration_rate ** streak`, never below
+    `min_exploration`, so no prompt is skipped for good."""
+    if streak <= 0:
+        return 0.0
+    if not 0 < exploration_rate <= 1 or not 0 < min_exploration <= 1:
+        raise ValueError(
+            f"exploration rates are probabilities in (0, 1]; got exploration_rate="
+            f"{exploration_rate}, min_exploration={min_exploration}"
+        )
+    return 1.0 - max(exploration_rate**streak, min_exploration)
+
+
+def skipped(uniform: float, probability: float) -> bool:
+    """The draw: `uniform` is the prompt's seeded uniform in [0, 1) for this epoch."""
+    return uniform < probability
+
+
+def adapted_exploration_rate(
+    rate: float, share: float, target: float, step: float, lowest: float, highest: float
+) -> float:
+    """GRESO's adaptation, once per training step and per kind: a kind whose share of the
+    step's generated groups reached its target is explored less (more of it skipped), one
+    below it more, by `step`, within [lowest, highest]."""
+    if share >= target:
+        return max(rate - step, lowest)
+    return min(rate + step, highest)

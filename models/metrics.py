@@ -11,13 +11,15 @@ from datetime import datetime
 
 from sqlalchemy import func, select
 
-from refill.models import decisions
+from refill.models import decisions, skipping
 from refill.models.context import RunContext
+from refill.models.decisions import GroupKind
 from refill.models.tables import (
     Attempt,
     AttemptReason,
     AttemptState,
     Group,
+    PromptDraw,
     Slot,
     Step,
     StepMetrics,
@@ -41,10 +43,12 @@ def record_release_metrics(ctx: RunContext, step: Step) -> StepMetrics:
     session, run_id, s = ctx.session, ctx.run.id, step.step
     session.flush()
     finished = (Attempt.run_id == run_id) & (Attempt.step == s) & Attempt.zero_variance.is_not(None)
-    n_finished, n_zero, unfiltered, tokens = session.execute(
+    n_finished, n_zero, n_solved, unfiltered, tokens = session.execute(
         select(
             func.count(),
             func.count().filter(Attempt.zero_variance.is_(True)),
+            # all solved: `decisions.group_kind`
+            func.count().filter(Attempt.zero_variance.is_(True) & (Attempt.reward_mean > 0)),
             func.avg(Attempt.reward_mean),
             func.coalesce(func.sum(Attempt.num_tokens), 0),
         ).where(finished)
@@ -105,6 +109,10 @@ def record_release_metrics(ctx: RunContext, step: Step) -> StepMetrics:
     metrics.staleness_max = max(staleness) if staleness else None
     metrics.step_fill_seconds = seconds_between(step.admitted_at, step.released_at)
     metrics.generated_tokens = int(tokens or 0)
+    # What dynamic sampling pays per group it trains: about 1 / (1 - p) generations.
+    metrics.rollouts_per_trained_group = n_finished / len(trained) if trained else None
+    metrics.generated_tokens_per_trained_group = metrics.generated_tokens / len(trained) if trained else None
+    record_skipping(ctx, metrics, int(n_finished or 0), int(n_solved or 0), int(n_zero or 0) - int(n_solved or 0))
     metrics.budget_exhaustion_risk = (
         decisions.exhaustion_probability(
             p, settings.filter_budget, settings.num_prompts_per_step, settings.max_num_steps
@@ -114,6 +122,24 @@ def record_release_metrics(ctx: RunContext, step: Step) -> StepMetrics:
     )
     session.add(metrics)
     return metrics
+
+
+def record_skipping(ctx: RunContext, metrics: StepMetrics, finished: int, solved: int, failed: int) -> None:
+    """The prompts the loader skipped for the step, and skipping's exploration rates adapted
+    to the step's groups (`refill.models.skipping`); nothing when the run does not skip."""
+    rates = skipping.adapt_exploration(ctx, finished, solved, failed)
+    if rates is None:
+        return
+    metrics.skip_exploration_solved = rates[GroupKind.SOLVED]
+    metrics.skip_exploration_failed = rates[GroupKind.FAILED]
+    metrics.skipped_prompts = int(
+        ctx.session.scalar(
+            select(func.count()).where(
+                PromptDraw.run_id == ctx.run.id, PromptDraw.step == metrics.step, PromptDraw.skipped.is_(True)
+            )
+        )
+        or 0
+    )
 
 
 def seconds_between(start: datetime | None, end: datetime | None) -> float | None:

@@ -15,15 +15,13 @@ states of SPEC §3 impossible in the database itself, whatever code writes to it
 from __future__ import annotations
 
 import enum
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
-    JSON,
     BigInteger,
     Boolean,
     CheckConstraint,
-    DateTime,
     Float,
     ForeignKey,
     ForeignKeyConstraint,
@@ -33,46 +31,12 @@ from sqlalchemy import (
     MetaData,
     String,
     Text,
-    TypeDecorator,
     text,
 )
-from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
-NAMING_CONVENTION = {
-    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
-    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
-    "ck": "ck_%(table_name)s_%(constraint_name)s",
-    "fk": "fk_%(table_name)s_%(column_0_N_name)s_%(referred_table_name)s",
-    "pk": "pk_%(table_name)s",
-}
+from refill.models.column_types import NAMING_CONVENTION, BigId, JSONType, UTCDateTime
 
-class UTCDateTime(TypeDecorator[datetime]):
-    """Timestamps are stored in UTC and always read back timezone-aware.
-
-    SQLite keeps no offset and returns naive values; normalising here means no caller ever
-    compares a naive and an aware datetime."""
-
-    impl = DateTime(timezone=True)
-    cache_ok = True
-
-    def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
-        if value is None:
-            return None
-        if value.tzinfo is None:
-            raise ValueError("refill stores timezone-aware datetimes only (use datetime.now(UTC))")
-        return value.astimezone(UTC)
-
-    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
-        if value is not None and value.tzinfo is None:
-            return value.replace(tzinfo=UTC)
-        return value
-
-
-# JSONB on PostgreSQL (indexable, compact), plain JSON text elsewhere.
-JSONType = JSON().with_variant(postgresql.JSONB(), "postgresql")
-# SQLite only auto-increments an INTEGER PRIMARY KEY.
-BigId = BigInteger().with_variant(Integer(), "sqlite")
 Timestamp = UTCDateTime()
 
 
@@ -194,6 +158,9 @@ class Run(Base):
     # Untaken prompts of the spare pool, for the same reason: counting them took a scan of
     # the pool's index (and a heap fetch per row) on every batch.
     spare_prompts_available: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    # Pre-rollout skipping's adapted exploration rates (NULL: not adapted yet, the config's).
+    skip_exploration_solved: Mapped[float | None] = mapped_column(Float)
+    skip_exploration_failed: Mapped[float | None] = mapped_column(Float)
     stop_requested: Mapped[bool] = mapped_column(Boolean, default=False)
     controller_id: Mapped[str | None] = mapped_column(String(200))
     controller_seen_at: Mapped[datetime | None]
@@ -311,6 +278,9 @@ class Slot(Base):
     settled_at: Mapped[datetime | None]
 
 
+_SCORED = "zero_variance IS NOT NULL"
+
+
 class Attempt(Base):
     __tablename__ = "attempts"
     __table_args__ = (
@@ -342,6 +312,8 @@ class Attempt(Base):
             postgresql_where=text("state IN ('pending', 'queued', 'running')"),
             sqlite_where=text("state IN ('pending', 'queued', 'running')"),
         ),
+        # Scored attempts by prompt: the history pre-rollout skipping reads.
+        Index("ix_attempts_scored_prompt", "run_id", "prompt_id", postgresql_where=text(_SCORED), sqlite_where=text(_SCORED)),
         # Extras not started yet: the ones over-dispatch re-aims when their step settles, looked
         # for on every batch; a handful at any time, among every extra the run ever made.
         Index(
@@ -463,6 +435,34 @@ class SparePrompt(Base):
     )
 
 
+class PromptDraw(Base):
+    """Each place of each epoch's order the loader reached, under pre-rollout skipping only:
+    skipped or not, and why (streak, exploration rate, probability, the seeded uniform)."""
+
+    __tablename__ = "prompt_draws"
+    __table_args__ = (
+        CheckConstraint("streak_kind IS NULL OR streak_kind IN ('solved', 'failed')", name="streak_kind"),
+        CheckConstraint("(streak_kind IS NULL) = (streak = 0)", name="streak_has_kind"),
+        CheckConstraint("probability >= 0 AND probability < 1", name="probability_range"),
+        CheckConstraint("skipped = (uniform < probability)", name="skipped_iff_below"),
+        Index(None, "run_id", "prompt_id"),
+        Index(None, "run_id", "step"),
+    )
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    epoch: Mapped[int] = mapped_column(Integer, primary_key=True)
+    position: Mapped[int] = mapped_column(Integer, primary_key=True)  # in the epoch's order
+    prompt_id: Mapped[int] = mapped_column(ForeignKey("prompts.id"))
+    step: Mapped[int] = mapped_column(Integer)  # admitted, or the spare pool's earliest open
+    skipped: Mapped[bool] = mapped_column(Boolean)
+    streak_kind: Mapped[str | None] = mapped_column(String(8))
+    streak: Mapped[int] = mapped_column(Integer)
+    exploration: Mapped[float | None] = mapped_column(Float)
+    probability: Mapped[float] = mapped_column(Float)
+    uniform: Mapped[float] = mapped_column(Float)
+    drawn_at: Mapped[datetime]
+
+
 class WeightVersion(Base):
     __tablename__ = "weight_versions"
 
@@ -500,6 +500,12 @@ class StepMetrics(Base):
     step_fill_seconds: Mapped[float | None] = mapped_column(Float)
     trainer_idle_seconds: Mapped[float | None] = mapped_column(Float)
     generated_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    # Issue 15: cost per trained group, prompts skipped for the step, rates after its release.
+    skipped_prompts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    rollouts_per_trained_group: Mapped[float | None] = mapped_column(Float)
+    generated_tokens_per_trained_group: Mapped[float | None] = mapped_column(Float)
+    skip_exploration_solved: Mapped[float | None] = mapped_column(Float)
+    skip_exploration_failed: Mapped[float | None] = mapped_column(Float)
     budget_exhaustion_risk: Mapped[float | None] = mapped_column(Float)
     loss: Mapped[float | None] = mapped_column(Float)
     grad_norm: Mapped[float | None] = mapped_column(Float)

@@ -58,6 +58,41 @@ class RunSection(_Section):
     share: float = Field(1.0, gt=0, le=1000)
 
 
+class PromptSkippingConfig(_Section):
+    """GRESO's pre-rollout skipping (arXiv 2506.02177): a prompt whose last `k` groups were all
+    solved (or all failed) is generated with probability `max(rate**k, min_exploration)` when the
+    data loader reaches it, and skipped (no generation; recorded in `prompt_draws`) otherwise.
+    `rate` is the exploration rate of its kind, adapted after each step as GRESO does."""
+
+    enabled: bool = False
+    # GRESO's p_easy / p_hard at the start: each kind's exploration rate before any adaptation.
+    exploration_rate: float = Field(0.5, gt=0, le=1)
+    # The floor of a prompt's chance to be generated: no prompt is skipped with probability
+    # above 1 - min_exploration, so every prompt is tried again in time (GRESO: 0.01).
+    min_exploration: float = Field(0.01, gt=0, le=1)
+    # After each released step (from the second epoch on), a kind's rate falls by
+    # exploration_rate_step when its share of the step's groups is at or above its target, and
+    # rises by it otherwise, within [exploration_rate_min, exploration_rate_max] (GRESO: 0.01
+    # within [0.05, 0.95]).
+    exploration_rate_step: float = Field(0.01, ge=0, le=1)
+    exploration_rate_min: float = Field(0.05, gt=0, le=1)
+    exploration_rate_max: float = Field(0.95, gt=0, le=1)
+    # The share of zero-variance groups aimed at; all-solved groups get target_solved_fraction of
+    # it and all-failed ones the rest (GRESO: 0.25, split 1/3 : 2/3 since a failed prompt is the
+    # likelier to become useful while the reward rises).
+    target_zero_variance: float = Field(0.25, ge=0, le=1)
+    target_solved_fraction: float = Field(1 / 3, ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _rates_in_order(self) -> PromptSkippingConfig:
+        if not self.exploration_rate_min <= self.exploration_rate <= self.exploration_rate_max:
+            raise ValueError(
+                f"exploration_rate={self.exploration_rate} must lie within exploration_rate_min="
+                f"{self.exploration_rate_min} and exploration_rate_max={self.exploration_rate_max}"
+            )
+        return self
+
+
 class DataConfig(_Section):
     train_path: PathStr | None = None
     builtin: Literal["arith"] | None = None
@@ -67,6 +102,10 @@ class DataConfig(_Section):
     prompt_template: str = "{prompt}"
     shuffle: bool = True
     max_rows: int | None = Field(None, ge=1)
+    # A row field holding each prompt's id (a string or an integer, distinct per row), shown by
+    # `refill prompts`. None: a prompt is known by its row's position in the data set.
+    prompt_id_field: str | None = Field(None, min_length=1)
+    prompt_skipping: PromptSkippingConfig = Field(default_factory=PromptSkippingConfig)
 
 
 # Warm-start defaults live here so the trainer can tune them in one place.
@@ -99,12 +138,20 @@ class SimLatencyConfig(_Section):
     sigma: float = Field(0.5, ge=0)
 
 
+class SimLearningConfig(_Section):
+    # The share of prompts (chosen by their key) whose solve rate rises with the weight version:
+    # r_v = 1 - (1 - r_0) * (1 - rate)**v. 0.0: no prompt learns (fixed difficulty).
+    share: float = Field(0.0, ge=0, le=1)
+    rate: float = Field(0.05, ge=0, le=1)
+
+
 class SimConfig(_Section):
     # When set, overrides the two Beta parameters; reachable only in (2**(1 - n), 1).
     zero_variance_fraction: float | None = Field(None, gt=0, lt=1)
     solve_rate_alpha: float = Field(1.0, gt=0)
     solve_rate_beta: float = Field(1.0, gt=0)
     latency: SimLatencyConfig = Field(default_factory=SimLatencyConfig)
+    learning: SimLearningConfig = Field(default_factory=SimLearningConfig)
     failure_rate: float = Field(0.0, ge=0, le=1)
     tokens_per_completion: int = Field(8, ge=1)
     vocab_size: int = Field(100, ge=2)
@@ -168,7 +215,11 @@ class GRPOConfig(_Section):
     # Expected exhausted slots over a run: p**(budget+1) * num_prompts_per_step * max_num_steps,
     # with p the zero-variance fraction the run reports.
     dynamic_sampling_max_replacements_per_slot: int = Field(32, ge=1)
-    zero_variance_tolerance: float = Field(0.0, ge=0)
+    # A group whose raw rewards spread (max - min) by at most this has no GRPO signal. The
+    # default judges floating-point noise as no spread: 0.1 + 0.2 and 0.3 differ by 5.6e-17, and
+    # float32 rounding at reward scale 1 by about 6e-8; a spread that small, normalised by the
+    # group's standard deviation, would train on noise as if it were a full +-1 advantage.
+    zero_variance_tolerance: float = Field(1e-6, ge=0)
     normalize_rewards: bool = True
     use_leave_one_out_baseline: bool = False
     reward_shaping: RewardShapingConfig = Field(default_factory=RewardShapingConfig)

@@ -26,6 +26,11 @@ Knobs (``generation.sim.*``, defaults in brackets):
 - ``zero_variance_fraction`` [null]: target ``p``; when set it overrides the two above.
 - ``key_field`` [null]: a row field that identifies the prompt (e.g. ``id``); by default the
   prompt text is the key.
+- ``learning`` {``share`` [0.0], ``rate`` [0.05]}: the model learns. A ``share`` of the
+  prompts (chosen by a draw keyed by the seed and the prompt key) have a solve rate that rises
+  with the weight version ``v`` the engine holds: ``r_v = 1 - (1 - r) * (1 - rate)**v``; the
+  others keep ``r``. A prompt all-failed at first can then become useful, so pre-rollout
+  skipping (``data.prompt_skipping``) is tested against a moving target, not a fixed one.
 - ``latency`` {``distribution``: ``constant`` | ``lognormal`` | ``exponential`` [constant],
   ``mean_seconds`` [0.0], ``sigma`` [0.5]}: per-group latency, drawn from the request's seed.
   ``sigma`` is the log-space standard deviation of ``lognormal``, whose mean stays
@@ -101,6 +106,25 @@ def symmetric_beta_for_zero_variance(target: float, n: int) -> float:
 
 
 @dataclass(frozen=True)
+class Learning:
+    """``generation.sim.learning``: see the module docstring."""
+
+    share: float
+    rate: float
+
+    def __post_init__(self) -> None:
+        for name in ("share", "rate"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"generation.sim.learning.{name} must be in [0, 1]")
+
+    def learns(self, seed: int, key: str) -> bool:
+        return random.Random(stable_seed(seed, "learns", key)).random() < self.share
+
+    def moved(self, rate: float, version: int) -> float:
+        return 1.0 - (1.0 - rate) * (1.0 - self.rate) ** max(0, version)
+
+
+@dataclass(frozen=True)
 class Latency:
     distribution: str = "constant"
     mean_seconds: float = 0.0
@@ -139,6 +163,7 @@ class SimEngine:
         zero_variance_fraction: float | None = None,
         key_field: str | None = None,
         latency: Latency | None = None,
+        learning: Learning | None = None,
         failure_rate: float = 0.0,
         tokens_per_completion: int = 8,
         vocab_size: int = 100,
@@ -168,6 +193,7 @@ class SimEngine:
         self.zero_variance_fraction = zero_variance_fraction
         self.key_field = key_field
         self.latency = latency or Latency()
+        self.learning = learning
         self.failure_rate = failure_rate
         self.tokens_per_completion = tokens_per_completion
         self.vocab_size = vocab_size
@@ -197,6 +223,7 @@ class SimEngine:
             zero_variance_fraction=sim.zero_variance_fraction,
             key_field=sim.key_field,
             latency=latency,
+            learning=Learning(sim.learning.share, sim.learning.rate) if sim.learning.share > 0 else None,
             failure_rate=sim.failure_rate,
             tokens_per_completion=sim.tokens_per_completion,
             vocab_size=sim.vocab_size,
@@ -229,9 +256,13 @@ class SimEngine:
         return str(request.row[self.key_field])
 
     def solve_rate(self, request: GenerationRequest) -> float:
+        """The prompt's solve rate with the weights the engine holds (``learning``)."""
         alpha, beta = self.beta_params(request.n)
-        rng = random.Random(stable_seed(self.seed, "solve-rate", self.prompt_key(request)))
-        return rng.betavariate(alpha, beta)
+        key = self.prompt_key(request)
+        rate = random.Random(stable_seed(self.seed, "solve-rate", key)).betavariate(alpha, beta)
+        if self.learning is not None and self.learning.learns(self.seed, key):
+            rate = self.learning.moved(rate, self.weight_version or 0)
+        return rate
 
     def expected_zero_variance_fraction(self, n: int) -> float:
         return expected_zero_variance_fraction(*self.beta_params(n), n)

@@ -385,6 +385,7 @@ def test_plot_writes_a_png_with_the_named_series(sim_run: SimRun, tmp_path: Path
         "reward", "unfiltered_reward", "first_attempt_reward",
         "zero_variance_fraction",
         "step_fill_seconds", "trainer_idle_seconds",
+        "rollouts_per_trained_group", "generated_tokens_per_trained_group", "skipped_prompts",
     ]
     assert json.loads(result.stdout)["series"] == expected
     signature, chunks = png_chunks(out)
@@ -535,17 +536,21 @@ def test_every_query_in_docs_sql_runs_on_the_ledger(sim_run: SimRun, db: Any) ->
 
 
 def test_a_trained_groups_rollout_decodes_as_docs_sql_says(sim_run: SimRun, db: Any) -> None:
-    from refill.models.rollout_codec import decode
+    from refill.models.rollout_codec import decode, unpack_payload
 
     rows = sql(
         db,
-        "SELECT rollout, completion_texts, num_tokens, rewards FROM groups WHERE run_id = :r AND trained_step = 1",
+        "SELECT g.rollout, g.completion_texts, g.num_tokens, g.rewards, g.payload_ref, r.run_dir"
+        " FROM groups g JOIN runs r ON r.id = g.run_id WHERE g.run_id = :r AND g.trained_step = 1",
         r=sim_run.run_id,
     )
     assert rows
-    for rollout, texts, num_tokens, rewards in rows:
-        texts = json.loads(texts) if isinstance(texts, str) else texts  # JSON text on SQLite
-        prompt, completions = decode(rollout, texts)
+    for rollout, texts, num_tokens, rewards, payload_ref, run_dir in rows:
+        if payload_ref is None:
+            texts = json.loads(texts) if isinstance(texts, str) else texts  # JSON text on SQLite
+            prompt, completions = decode(rollout, texts)
+        else:  # a claim check: the group is in the run's payload store
+            prompt, completions = unpack_payload(Path(run_dir, "payloads", payload_ref).read_bytes())
         assert prompt and len(completions) == len(json.loads(rewards) if isinstance(rewards, str) else rewards)
         assert sum(len(c.token_ids) for c in completions) == num_tokens
         assert all(len(c.logprobs) == len(c.token_ids) for c in completions)

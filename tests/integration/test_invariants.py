@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import delete, select, text, update
+from sqlalchemy import delete, func, select, text, update
 from sqlalchemy.orm import Session
 
 from refill.admin.invariant_types import LIVE, Violation
@@ -31,6 +31,7 @@ from refill.models.tables import (
     Attempt,
     Group,
     Outbox,
+    PromptDraw,
     Run,
     Slot,
     SparePrompt,
@@ -39,6 +40,7 @@ from refill.models.tables import (
 )
 from tests.support import invariants
 from tests.support.driver import Driver
+from tests.support.play import play
 
 Where = tuple[str, int | None, int | None, int | None]
 Tamper = Callable[[Session], Any]
@@ -631,6 +633,96 @@ def test_spare_prompt_taken_by_the_wrong_attempt(d: Driver) -> None:
     assert messages(v, ("spare_pool", 2, 1, other.id))[0].endswith(
         f"was taken by attempt {other.id} on prompt {other.prompt_id}"
     )
+
+
+# --- pre-rollout skipping (issue 15) ----------------------------------------------------------
+
+
+@pytest.fixture
+def skipping(ledger) -> Driver:  # type: ignore[no-untyped-def]
+    """A run played to the end of its three epochs, skipping its always-solved prompts."""
+    driver = Driver(
+        ledger,
+        {
+            "grpo": {"max_num_steps": 50, "max_num_epochs": 3, "dynamic_sampling_max_replacements_per_slot": 16},
+            "data": {"prompt_skipping": {"enabled": True, "exploration_rate": 0.05}},
+        },
+        num_prompts=16,
+        check=False,
+    )
+    assert play(driver).status == "completed"
+    with ledger.session() as s:
+        assert invariants.ledger_violations(s, driver.run_id) == []
+        assert s.scalar(select(func.count()).where(PromptDraw.run_id == driver.run_id, PromptDraw.skipped.is_(True)))
+    return driver
+
+
+def _one_draw(d: Driver, skipped: bool) -> tuple[int, int]:
+    with d.ledger.session() as s:
+        row = s.scalars(
+            select(PromptDraw)
+            .where(PromptDraw.run_id == d.run_id, PromptDraw.epoch == 1, PromptDraw.skipped.is_(skipped))
+            .order_by(PromptDraw.position)
+        ).first()
+        assert row is not None
+        return row.epoch, row.position
+
+
+def test_a_skip_that_does_not_replay(skipping: Driver) -> None:
+    epoch, place = _one_draw(skipping, skipped=True)
+    v = found(
+        skipping,
+        lambda s: s.execute(
+            text(
+                "UPDATE prompt_draws SET probability = (uniform + probability) / 2 "
+                "WHERE run_id = :r AND epoch = :e AND position = :p"
+            ),
+            {"r": skipping.run_id, "e": epoch, "p": place},
+        ),
+    )
+    assert where(v) == {("prompt_draws", None, None, None)}
+    (message,) = messages(v, ("prompt_draws", None, None, None))
+    assert message.startswith(f"epoch {epoch}, place {place}: skip probability ")
+
+
+def test_a_place_of_an_epoch_never_drawn(skipping: Driver) -> None:
+    epoch, place = _one_draw(skipping, skipped=False)
+    v = found(
+        skipping,
+        lambda s: s.execute(
+            text("DELETE FROM prompt_draws WHERE run_id = :r AND epoch = :e AND position = :p"),
+            {"r": skipping.run_id, "e": epoch, "p": place},
+        ),
+    )
+    assert where(v) == {("prompt_draws", None, None, None)}
+    found_messages = messages(v, ("prompt_draws", None, None, None))
+    assert any(m.startswith(f"epoch {epoch}: 15 places recorded") for m in found_messages)
+    assert any("the loader never took" in m for m in found_messages)
+
+
+def test_skipped_prompts_of_a_step_that_disagree_with_the_draws(skipping: Driver) -> None:
+    v = found(
+        skipping,
+        lambda s: s.execute(
+            text("UPDATE step_metrics SET skipped_prompts = skipped_prompts + 1 WHERE run_id = :r AND step = 1"),
+            {"r": skipping.run_id},
+        ),
+    )
+    assert where(v) == {("prompt_draws", 1, None, None)}
+
+
+def test_draws_of_a_run_that_does_not_skip(d: Driver) -> None:
+    def tamper(s: Session) -> None:
+        prompt = s.scalars(select(Slot.prompt_id).where(Slot.run_id == d.run_id)).first()
+        s.add(
+            PromptDraw(
+                run_id=d.run_id, epoch=5, position=0, prompt_id=prompt, step=0, skipped=False, streak=0,
+                probability=0.0, uniform=0.5, drawn_at=d.now,
+            )
+        )
+
+    v = found(d, tamper)
+    assert where(v) == {("prompt_draws", None, None, None)}
 
 
 # --- the test helper is `refill check` -------------------------------------------------------

@@ -1,0 +1,46 @@
+"""The ledger's column types and constraint names, shared by every table
+(`refill.models.tables`, which re-exports them: migrations name `tables.UTCDateTime`)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, DateTime, Integer, TypeDecorator
+from sqlalchemy.dialects import postgresql
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_N_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Timestamps are stored in UTC and always read back timezone-aware.
+
+    SQLite keeps no offset and returns naive values; normalising here means no caller ever
+    compares a naive and an aware datetime."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("refill stores timezone-aware datetimes only (use datetime.now(UTC))")
+        return value.astimezone(UTC)
+
+    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value
+
+
+# JSONB on PostgreSQL (indexable, compact), plain JSON text elsewhere.
+JSONType = JSON().with_variant(postgresql.JSONB(), "postgresql")
+# SQLite only auto-increments an INTEGER PRIMARY KEY.
+BigId = BigInteger().with_variant(Integer(), "sqlite")
