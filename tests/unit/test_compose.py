@@ -39,7 +39,10 @@ GPU_DOCKERFILE = "docker/Dockerfile.gpu"
 PASSWORD = "sentinel-not-a-password"
 REQUIRED = {"POSTGRES_PASSWORD": PASSWORD}
 
-SERVICES = {"postgres", "redis", "migrate", "control", "consumer", "generate", "trainer", "start"}
+SERVICES = {"postgres", "redis", "migrate", "control", "consumer", "generate", "trainer", "start",
+            "exporter", "prometheus", "flower"}
+#: Optional services for watching a run (issue 19), started with `--profile observability`.
+OBSERVABILITY = {"exporter", "prometheus", "flower"}
 WORKER_SERVICES = {"control": "control", "consumer": "consume", "generate": "generate", "trainer": "train"}
 GPU_SERVICES = {"generate", "trainer"}
 ONE_SHOT = {"migrate", "start"}
@@ -272,7 +275,8 @@ def run_config(name: str) -> dict[str, Any]:
 
 def test_compose_has_the_fleet() -> None:
     assert set(services()) == SERVICES
-    assert set(refill_services()) == SERVICES - {"postgres", "redis"}
+    # Prometheus and Flower run their own images, as PostgreSQL and Redis do.
+    assert set(refill_services()) == SERVICES - {"postgres", "redis"} - {"prometheus", "flower"}
 
 
 def test_every_refill_service_runs_a_registered_refill_command() -> None:
@@ -290,6 +294,7 @@ def test_every_refill_service_runs_a_registered_refill_command() -> None:
         "generate": ("worker",),
         "trainer": ("worker",),
         "start": ("run", "start"),
+        "exporter": ("exporter",),
     }
 
 
@@ -453,7 +458,9 @@ def test_one_shot_jobs_and_long_running_services() -> None:
     for name in WORKER_SERVICES:
         assert resolved[name].get("init") is True, f"{name}: reap vLLM's and Celery's children"
     profiled = {name for name, s in resolved.items() if s.get("profiles")}
-    assert profiled == {"start"} and resolved["start"]["profiles"] == ["start"]
+    assert profiled == {"start"} | OBSERVABILITY and resolved["start"]["profiles"] == ["start"]
+    for name in OBSERVABILITY:
+        assert resolved[name]["profiles"] == ["observability"], name
 
 
 def test_start_submits_the_qwen_config_detached() -> None:
@@ -586,3 +593,80 @@ def test_healthcheck_without_a_broker_is_unhealthy(monkeypatch: pytest.MonkeyPat
     monkeypatch.delenv("REFILL_BROKER_URL", raising=False)
     assert healthcheck_module().main() == 1
     assert "REFILL_BROKER_URL" in capsys.readouterr().err
+
+
+# --- watching the fleet (profile observability, issue 19) --------------------------------------
+
+
+def test_the_exporter_serves_where_prometheus_scrapes_and_its_check_looks() -> None:
+    resolved = services()
+    exporter = resolved["exporter"]
+    _, params = resolve_command(exporter["command"])
+    port = params["port"]
+    assert exporter["ports"] == [f"{port}:{port}"]
+    # Its own check, not the image's (which pings a Celery worker the exporter does not run).
+    check = " ".join(exporter["healthcheck"]["test"])
+    assert f"http://localhost:{port}/metrics" in check
+    # The ledger and the broker it reads are the fleet's.
+    for key in ("REFILL_DATABASE_URL", "REFILL_BROKER_URL"):
+        assert exporter["environment"][key] == resolved["control"]["environment"][key]
+    prometheus = resolved["prometheus"]
+    config_path = next(v for v in prometheus["volumes"] if v.endswith(":/etc/prometheus/prometheus.yml:ro"))
+    scrape = yaml.safe_load((DOCKER / config_path.split(":")[0]).read_text())
+    assert "--config.file=/etc/prometheus/prometheus.yml" in prometheus["command"]
+    (job,) = scrape["scrape_configs"]
+    assert job["static_configs"] == [{"targets": [f"exporter:{port}"]}]
+    assert scrape["global"]["scrape_interval"] == "15s"
+    assert "prometheusdata" in compose()["volumes"] and "/prometheus" in mounts(prometheus)
+
+
+def test_flower_reads_the_fleets_broker() -> None:
+    resolved = services()
+    flower = resolved["flower"]
+    command = flower["command"]
+    assert command[0] == "celery" and "flower" in command
+    broker = next(arg.split("=", 1)[1] for arg in command if arg.startswith("--broker="))
+    assert broker == resolved["control"]["environment"]["REFILL_BROKER_URL"]
+    port = int(next(arg.split("=", 1)[1] for arg in command if arg.startswith("--port=")))
+    assert flower["ports"] == [f"{port}:{port}"]
+    assert f"http://localhost:{port}/healthcheck" in " ".join(flower["healthcheck"]["test"])
+    assert (flower.get("depends_on") or {}) == {"redis": {"condition": "service_healthy"}}
+
+
+def test_task_events_are_off_unless_the_environment_turns_them_on() -> None:
+    from refill.tasks.app import EVENTS_ENV
+
+    for name in WORKER_SERVICES:
+        assert services()[name]["environment"][EVENTS_ENV] == "0", name
+    on = compose(env={**REQUIRED, EVENTS_ENV: "1"})["services"]
+    assert all(on[name]["environment"][EVENTS_ENV] == "1" for name in WORKER_SERVICES)
+
+
+def test_the_grafana_dashboard_reads_only_metrics_the_exporter_serves() -> None:
+    import json
+
+    from refill.admin.exporter import LedgerCollector
+    from refill.models.db import Ledger
+    from refill.models.tables import Base
+
+    class Queues:
+        def lengths(self) -> dict[str, int]:
+            return {"generate": 0}
+
+    ledger = Ledger("sqlite://")
+    Base.metadata.create_all(ledger.engine)
+    served = set()
+    for family in LedgerCollector(ledger, Queues(), recent_minutes=60).collect():  # type: ignore[arg-type]
+        # A counter family is named without the _total its samples are served with.
+        served.add(family.name + ("_total" if family.type == "counter" else ""))
+    ledger.dispose()
+    dashboard = json.loads((DOCKER / "grafana-dashboard.json").read_text())
+    used = set()
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            used |= set(re.findall(r"\brefill_[a-z_]+", target["expr"]))
+    variables = " ".join(v.get("query", "") for v in dashboard["templating"]["list"])
+    used |= set(re.findall(r"\brefill_[a-z_]+", variables))
+    assert used and used <= served, sorted(used - served)
+    # Counters are served with their _total suffix and the dashboard reads them so.
+    assert "refill_steps_trained_total" in used
