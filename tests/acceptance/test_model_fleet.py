@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from sqlalchemy import func, select
 
-from refill.models.rollout_codec import decode
-from refill.models.tables import Attempt, Group, WeightVersion
+from refill.models.rollout_codec import decode, unpack_payload
+from refill.models.tables import Attempt, Group, Run, WeightVersion
 from tests.acceptance.runs import run_facts
 
 MODEL_RUN = {
@@ -38,8 +38,11 @@ def test_the_demo_model_trains_on_the_fleet(running_fleet, fleet_ledger) -> None
             select(Attempt.step, func.max(Attempt.weight_version)).where(Attempt.run_id == run_id).group_by(Attempt.step)
         ).all()
         trained = session.execute(
-            select(Group.rollout, Group.completion_texts).where(Group.run_id == run_id, Group.trained_step.is_not(None))
+            select(Group.rollout, Group.completion_texts, Group.payload_ref).where(
+                Group.run_id == run_id, Group.trained_step.is_not(None)
+            )
         ).all()
+        run_dir = session.get(Run, run_id).run_dir
     assert facts.status == "completed" and facts.violations == []
     assert facts.trained_per_step == [8] * 4
     assert [v for v, _ in versions] == [0, 1, 2, 3, 4]
@@ -47,6 +50,14 @@ def test_the_demo_model_trains_on_the_fleet(running_fleet, fleet_ledger) -> None
     # Generators moved to newer weights as the trainer published them.
     assert max(v for _, v in used if v is not None) >= 2
     # Real completions with sampling log-probs reached the trainer.
-    completions = [c for g in trained for c in decode(g.rollout, g.completion_texts)[1]]
+    completions = [
+        c
+        for g in trained
+        for c in (
+            decode(g.rollout, g.completion_texts)
+            if g.payload_ref is None
+            else unpack_payload(Path(run_dir, "payloads", g.payload_ref).read_bytes())
+        )[1]
+    ]
     assert len(completions) == 4 * 8 * 8 and all(len(c.token_ids) == len(c.logprobs) >= 1 for c in completions)
     assert all(math.isfinite(p) and p <= 1e-3 for c in completions for p in c.logprobs)

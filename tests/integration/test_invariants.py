@@ -26,6 +26,8 @@ from sqlalchemy.orm import Session
 
 from refill.admin.invariant_types import LIVE, Violation
 from refill.admin.invariants import CHECKS, run_checks
+from refill.models.payload import payload_name
+from refill.models.payload_store import FileStore
 from refill.models.settings import LedgerSettings
 from refill.models.tables import (
     Attempt,
@@ -764,3 +766,31 @@ def test_every_check_of_refill_check_is_asserted_here() -> None:
     """A check added to `refill check` gets its corruption in this module too."""
     source = Path(__file__).read_text()
     assert [c.name for c in CHECKS if f'("{c.name}", ' not in source] == []
+
+
+# --- stored payloads (the claim check) -------------------------------------------------------
+
+
+def test_committed_group_whose_stored_payload_is_missing_or_cut(d: Driver, tmp_path: Path) -> None:
+    group = d.slot(1, 1).group_attempt_id
+    assert group is not None
+    store = FileStore.of_run(tmp_path)
+    name = payload_name(group, "0123456789abcdef")
+
+    def stored_elsewhere(s: Session) -> None:
+        s.execute(update(Run).where(Run.id == d.run_id).values(run_dir=str(tmp_path)))
+        s.execute(
+            update(Group)
+            .where(Group.attempt_id == group)
+            .values(rollout=None, completion_texts=text("NULL"), payload_ref=name, payload_bytes=10, payload_checksum="sha256:" + "0" * 64)
+        )
+
+    v = found(d, stored_elsewhere)
+    assert where(v) == {("payloads", None, None, group)}
+    assert messages(v, ("payloads", None, None, group)) == [f"the payload of committed group {group}, {store.path(name)}, is missing"]
+    store.path(name).parent.mkdir(parents=True)
+    store.path(name).write_bytes(b"123456789")
+    v = found(d, stored_elsewhere)
+    assert messages(v, ("payloads", None, None, group)) == [
+        f"the payload of committed group {group}, {store.path(name)}, has 9 bytes, its worker wrote 10"
+    ]
