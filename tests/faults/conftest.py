@@ -1,20 +1,29 @@
-"""The fault suite's fixtures: its own Redis, one PostgreSQL ledger and one fleet of real worker
-processes, shared by every scenario of tests/faults. A scenario that kills a role leaves it
-dead; the `fleet` fixture brings the fleet back to its standard shape before the next scenario.
+"""The fault suite's fixtures: its own Redis and PostgreSQL, one ledger and one fleet of real
+worker processes, shared by every scenario of tests/faults. A scenario that kills a role leaves
+it dead; the `fleet` fixture brings the fleet back to its standard shape before the next
+scenario.
 
-The suite flushes and restarts its Redis, so it gets one of its own (a throwaway server, on the
-port chaos_fleet.REDIS_URL names), whatever REFILL_TEST_REDIS_URL says."""
+The suite flushes and restarts its Redis and restarts its PostgreSQL, so it gets servers of
+its own (throwaway servers, on the ports chaos_fleet.FAULT_REDIS and FAULT_POSTGRES name),
+whatever REFILL_TEST_REDIS_URL and REFILL_TEST_PG_URL say."""
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from refill.models.db import Ledger
 from refill.models.migrate import upgrade
-from tests.support.chaos_fleet import FAULT_REDIS, VISIBILITY_TIMEOUT_SECONDS, ChaosFleet
-from tests.support.databases import temporary_pg_database
+from tests.support.chaos_fleet import (
+    FAULT_POSTGRES,
+    FAULT_REDIS,
+    VISIBILITY_TIMEOUT_SECONDS,
+    ChaosFleet,
+)
 from tests.support.fleet import purge_prefix
 
 #: The standard fleet: two generation workers (so one can die while the other carries on),
@@ -29,10 +38,22 @@ def fault_redis(tmp_path_factory) -> Iterator[str]:
 
 
 @pytest.fixture(scope="package")
-def faults_db() -> Iterator[str]:
-    with temporary_pg_database("refill_faults") as url:
-        upgrade(url)
-        yield url
+def fault_postgres() -> Iterator[str]:
+    # Not under pytest's basetemp: as root the server runs as another user, who cannot enter
+    # a folder that only root may (pytest-of-root is 0700).
+    workdir = Path(tempfile.mkdtemp(prefix="refill-fault-postgres-"))
+    try:
+        with FAULT_POSTGRES.running(workdir) as url:
+            yield url
+    finally:
+        shutil.rmtree(workdir)
+
+
+@pytest.fixture(scope="package")
+def faults_db(fault_postgres: str) -> Iterator[str]:
+    url = FAULT_POSTGRES.database("refill_faults")
+    upgrade(url)
+    yield url
 
 
 @pytest.fixture(scope="package")

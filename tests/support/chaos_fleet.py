@@ -1,9 +1,10 @@
 """The fault suite's fleet: the acceptance harness's `Fleet`, plus what it takes to break it on
-purpose (kill a role, flush or restart Redis, cut a role's ledger connections, run the CLI as
-a subprocess) and to judge a run afterwards (`fault_facts`).
+purpose (kill, freeze or skew a role, flush or restart Redis, restart PostgreSQL, cut a role's
+ledger connections, run the CLI as a subprocess) and to judge a run afterwards (`fault_facts`).
 
-The suite's Redis is its own (`FAULT_REDIS`, a throwaway server that tests/faults/conftest.py
-starts): flushing and restarting it disturbs nothing else, not even the rest of the session."""
+The suite's Redis and PostgreSQL are its own (`FAULT_REDIS`, `FAULT_POSTGRES`: throwaway
+servers that tests/faults/conftest.py starts): flushing and restarting them disturbs nothing
+else, not even the rest of the session."""
 
 from __future__ import annotations
 
@@ -35,10 +36,9 @@ from refill.models.tables import (
     StepStatus,
     WeightVersion,
 )
-from tests.support.databases import pg_admin_url
 from tests.support.fleet import REPO, Fleet
 from tests.support.invariants import ledger_violations
-from tests.support.services import HOST, RedisExecutor, free_port, redis_executor
+from tests.support.services import HOST, RedisExecutor, ThrowawayPostgres, free_port, redis_executor
 
 #: Seconds Redis keeps a delivered, unacknowledged message invisible before it delivers it
 #: again. Production keeps it at hours (refill.tasks.app.DEFAULT_VISIBILITY_TIMEOUT) so that a
@@ -102,6 +102,55 @@ def _pings() -> bool:
 #: read REDIS_URL as pytest collects them.
 FAULT_REDIS = FaultRedis(free_port())
 REDIS_URL = FAULT_REDIS.url
+
+
+class FaultPostgres:
+    """The fault suite's own PostgreSQL on 127.0.0.1:`port` (a throwaway cluster), which a
+    scenario may stop and start under the fleet."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.server: ThrowawayPostgres | None = None
+
+    @property
+    def admin_url(self) -> str:
+        return f"postgresql+psycopg://postgres@{HOST}:{self.port}/postgres"
+
+    @contextmanager
+    def running(self, workdir: Path) -> Iterator[str]:
+        """Start it (its data, socket and log in `workdir`); stop and remove it at the end."""
+        self.server = ThrowawayPostgres(workdir, port=self.port)
+        try:
+            self.server.start()
+            self.server.wait_accepting()
+        except Exception as error:
+            raise RuntimeError(f"the fault suite's PostgreSQL did not start: {error}\n{self.server.log_tail()}") from error
+        try:
+            yield self.admin_url
+        finally:
+            self.server.stop()
+            self.server = None
+
+    def database(self, name: str) -> str:
+        """Create database `name` on it; returns its URL."""
+        engine = create_engine(self.admin_url, isolation_level="AUTOCOMMIT")
+        try:
+            with engine.connect() as conn:
+                conn.execute(text(f'CREATE DATABASE "{name}"'))
+        finally:
+            engine.dispose()
+        return f"postgresql+psycopg://postgres@{HOST}:{self.port}/{name}"
+
+    def restart(self, down_seconds: float) -> float:
+        """Stop it (every connection dropped), stay down `down_seconds`, start it again;
+        returns how long it refused connections."""
+        if self.server is None:
+            raise RuntimeError("the fault suite's PostgreSQL is not running (tests/faults/conftest.py starts it)")
+        return self.server.restart(down_seconds)
+
+
+#: Like FAULT_REDIS, its port is fixed when this module loads.
+FAULT_POSTGRES = FaultPostgres(free_port())
 
 
 class ChaosFleet(Fleet):
@@ -334,9 +383,16 @@ def restart_redis(down_seconds: float = 2.0) -> float:
     return FAULT_REDIS.restart(down_seconds)
 
 
+def restart_postgres(down_seconds: float = 5.0) -> float:
+    """Restart the fault suite's PostgreSQL (`FaultPostgres.restart`); returns how long it was
+    unreachable."""
+    return FAULT_POSTGRES.restart(down_seconds)
+
+
 def terminate_backends(application_name: str) -> int:
-    """`pg_terminate_backend` on every connection named `application_name`; returns how many."""
-    engine = create_engine(pg_admin_url(), isolation_level="AUTOCOMMIT")
+    """`pg_terminate_backend` on every connection named `application_name` (on the suite's
+    PostgreSQL); returns how many."""
+    engine = create_engine(FAULT_POSTGRES.admin_url, isolation_level="AUTOCOMMIT")
     try:
         with engine.connect() as conn:
             return len(
@@ -514,6 +570,7 @@ def assert_nothing_lost(facts: FaultFacts, *, steps: int) -> None:
 
 
 __all__ = [
+    "FAULT_POSTGRES",
     "FAULT_REDIS",
     "REDIS_URL",
     "REPO",
@@ -525,6 +582,7 @@ __all__ = [
     "drive_with_fault",
     "fault_facts",
     "progress",
+    "restart_postgres",
     "restart_redis",
     "terminate_backends",
     "wait_for",

@@ -16,10 +16,12 @@ import re
 import shutil
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import port_for
+import psycopg
 from pytest_postgresql.executors import PostgreSQLExecutor
 from pytest_redis.executor import RedisExecutor
 
@@ -155,6 +157,32 @@ class ThrowawayPostgres:
             postgres_options="-c fsync=off -c synchronous_commit=off -c full_page_writes=off",
         )
         self.executor.start()
+
+    def restart(self, down_seconds: float) -> float:
+        """Stop the server (`pg_ctl stop -m fast`: every connection is dropped at once, as in a
+        failover or a minor-version upgrade), stay down `down_seconds`, and start it again on
+        the same port and data; returns how long it refused connections."""
+        if self.executor is None:
+            raise RuntimeError("this PostgreSQL is not running: start() it first")
+        started = time.monotonic()
+        self.executor.stop()
+        time.sleep(down_seconds)
+        self.executor.start()  # the data directory is initialised already: only pg_ctl start
+        self.wait_accepting()
+        return time.monotonic() - started
+
+    def wait_accepting(self, timeout: float = 60) -> None:
+        """Until the server accepts connections: the executor returns once pg_ctl reports a
+        server process, which may still be starting up."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                psycopg.connect(host=HOST, port=self.port, user="postgres", dbname="postgres", connect_timeout=5).close()
+                return
+            except psycopg.OperationalError as error:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"PostgreSQL on port {self.port} refused connections for {timeout}s: {error}") from error
+                time.sleep(0.1)
 
     def stop(self) -> None:
         if self.executor is not None:
