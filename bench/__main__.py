@@ -12,6 +12,11 @@ OWN_PARSERS = {
         "results consumed per second: the real pipeline beside a bare Celery round trip",
     ),
     "overhead": ("bench.overhead", "ledger time of one 4096-group step at p = 0.33, by phase"),
+    "soak": (
+        "bench.soak",
+        "a chaos soak: runs back to back on a sim fleet under overlapping random faults",
+    ),
+    "scale": ("bench.scale", "ledger cost per result and memory per tenth of a long run (1,000,000 attempts)"),
 }
 
 
