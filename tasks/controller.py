@@ -22,6 +22,7 @@ from typing import Any
 
 from celery import Celery
 from kombu.exceptions import OperationalError as BrokerUnreachable
+from sqlalchemy.exc import DBAPIError, OperationalError
 
 from refill.admin.progress_queries import RunProgress, run_progress
 from refill.config import InfraConfig, from_snapshot
@@ -37,6 +38,7 @@ from refill.models.runs import (
     stop_run,
 )
 from refill.models.tables import RunStatus
+from refill.tasks.outage import OutageClock, is_outage
 from refill.tasks.queues import CONTROL, TASK_DRIVE_RUN
 from refill.tasks.relay import relay
 from refill.tracking import StepTracking
@@ -75,6 +77,7 @@ class Controller:
         # The experiment trackers the run's config enables (None: none). The controller logs
         # to them because one controller at a time drives a run (refill.tracking).
         self.tracking: StepTracking | None = None
+        self._ledger = OutageClock()
 
     def start(self, *, previous_controller: str | None = None, takeover_after_seconds: float = 30.0) -> None:
         """Take control of the run (resuming it if it was stopped or its controller died)."""
@@ -137,7 +140,11 @@ class Controller:
             log.info("run %s stopped; %d attempts in flight cancelled", self.run_id, cancelled)
             return RunStatus.STOPPED.value
         self.ledger.transaction(lambda s: admit_steps(s, self.run_id), what="admit steps")
-        reaped = self.ledger.transaction(lambda s: expire_leases(s, self.run_id), what="reap leases")
+        # After an outage the leases nobody could renew get a whole lease before they are judged.
+        reachable_for = self._ledger.reachable_for()
+        reaped = self.ledger.transaction(
+            lambda s: expire_leases(s, self.run_id, reachable_for=reachable_for), what="reap leases"
+        )
         if reaped.attempts or reaped.train_steps:
             log.warning(
                 "run %s: %d generation leases and %d training leases expired",
@@ -200,11 +207,21 @@ class Controller:
         last_progress = 0.0
         status = RunStatus.RUNNING.value
         while True:
-            status = self.tick()
-            now = time.monotonic()
-            if on_progress is not None and (status != RunStatus.RUNNING.value or now - last_progress >= progress_every):
-                last_progress = now
-                on_progress(self.progress())
+            try:
+                status = self.tick()
+                now = time.monotonic()
+                if on_progress is not None and (status != RunStatus.RUNNING.value or now - last_progress >= progress_every):
+                    last_progress = now
+                    on_progress(self.progress())
+            except (OperationalError, DBAPIError) as error:
+                # The database is down or restarting: the run waits in the ledger, and the
+                # controller must outlive the outage as it outlives the broker's.
+                if not is_outage(error):
+                    raise
+                self._ledger.down(error, f"run {self.run_id}")
+                status, now = RunStatus.RUNNING.value, time.monotonic()
+            else:
+                self._ledger.up(f"run {self.run_id}")
             if status != RunStatus.RUNNING.value:
                 return status
             if max_seconds is not None and now - started >= max_seconds:
