@@ -42,3 +42,11 @@ def test_the_demo_learns_the_arithmetic_task(tmp_path: Path) -> None:
     # The filter fired and was not a no-op: zero-variance groups were seen and none trained.
     assert sum(int(row["filtered_groups"]) for row in metrics) > 0
     assert all(int(row["trained_groups"]) == raw["grpo"]["num_prompts_per_step"] for row in metrics)
+    # Mini-batches: several updates per step, the later ones against the step's first weights,
+    # so the ratio leaves 1 and the clip acts (one update per step clipped nothing, ever).
+    assert raw["optimizer"]["groups_per_update"] < raw["grpo"]["num_prompts_per_step"]
+    assert all(float(row["updates"]) > 1 for row in metrics)
+    assert sum(float(row["clip_fraction"]) for row in metrics) > 0
+    assert sum(float(row["clip_fraction_lower"]) for row in metrics) > 0
+    assert sum(float(row["clip_fraction_upper"]) for row in metrics) > 0
+    assert any(float(row["ratio_mean"]) != 1.0 for row in metrics)
