@@ -220,6 +220,23 @@ def _check_loss(c: SimpleNamespace) -> Iterable[Problem]:
                       "set it to 1 or more (2.0 is usual), or null to disable truncation")
 
 
+@_check("optimizer.groups_per_update", "grpo.num_prompts_per_step")
+def _check_mini_batches(c: SimpleNamespace) -> Iterable[Problem]:
+    size, prompts = c.optimizer.groups_per_update, c.grpo.num_prompts_per_step
+    if size is not None and size > prompts:
+        yield Problem(
+            "optimizer.groups_per_update",
+            f"({size}) is more than grpo.num_prompts_per_step ({prompts}): a step has at most "
+            f"{prompts} groups, so its groups would always make a single mini-batch",
+            f"set it to at most {prompts} (a divisor, such as {_largest_proper_divisor(prompts)}, "
+            "splits each step into equal updates), or remove it for one update per step",
+        )
+
+
+def _largest_proper_divisor(n: int) -> int:
+    return next((d for d in range(n // 2, 0, -1) if n % d == 0), 1)
+
+
 @_check("reward.function")
 def _check_reward_name(c: SimpleNamespace) -> Iterable[Problem]:
     from refill.rewards.loader import ImportObjectError, split_spec

@@ -459,3 +459,22 @@ def test_invalid_mini_batch_settings_name_the_key():
         read_settings(SimpleNamespace(optimizer=SimpleNamespace(passes_per_step=0)))
     with pytest.raises(ValueError, match="optimizer.groups_per_update=0"):
         read_settings(SimpleNamespace(optimizer=SimpleNamespace(groups_per_update=0)))
+
+
+def test_a_mini_batch_larger_than_the_step_is_refused_by_the_config():
+    from refill.config import ConfigError, config_from_dict
+
+    with pytest.raises(ConfigError, match=r"optimizer.groups_per_update: \(9\) is more than "
+                       r"grpo.num_prompts_per_step \(8\).*such as 4"):
+        config_from_dict(
+            {
+                "data": {"builtin": "arith"},
+                "grpo": {"num_prompts_per_step": 8},
+                "optimizer": {"groups_per_update": 9},
+            },
+            name="t",
+        )
+    config = config_from_dict(
+        {"data": {"builtin": "arith"}, "optimizer": {"groups_per_update": 2}}, name="t"
+    )
+    assert read_settings(config).optimizer.groups_per_update == 2
