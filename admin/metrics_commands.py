@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.table import Table
 
 from refill.admin.console import EXIT_BAD_INPUT, fail, note, out_console, print_json
 from refill.admin.inspect_common import AsJson, DatabaseUrl, RunId, jsonable, read, show
@@ -32,6 +33,22 @@ PANELS: list[tuple[str, list[str]]] = [
     ("rollouts / group", ["rollouts_per_trained_group"]),
     ("tokens / group", ["generated_tokens_per_trained_group"]),
     ("prompts", ["skipped_prompts"]),
+]
+#: `refill metrics --trainer`: the trainer's figures per step (key, header, format). Most are
+#: extras (the step_metrics row's `extra` JSON): what the updates of a step did to the ratio,
+#: the clip on each side, and the behaviour->proximal importance weights.
+TRAINER_COLUMNS: list[tuple[str, str, str]] = [
+    ("step", "step", "{}"),
+    ("loss", "loss", "{:.4f}"),
+    ("grad_norm", "gnorm", "{:.3f}"),
+    ("updates", "upd", "{:.0f}"),
+    ("ratio_mean", "ratio", "{:.4f}"),
+    ("clip_fraction_lower", "clip lo", "{:.4f}"),
+    ("clip_fraction_upper", "clip hi", "{:.4f}"),
+    ("importance_weight_mean", "iw", "{:.4f}"),
+    ("importance_weight_truncated_fraction", "iw cut", "{:.4f}"),
+    ("entropy", "entropy", "{:.3f}"),
+    ("kl", "kl", "{:.4f}"),
 ]
 #: PNG text chunk that lists the legend labels drawn, in order (comma-separated).
 SERIES_KEY = "refill.series"
@@ -53,10 +70,19 @@ def metrics(
     database_url: DatabaseUrl = None,
     as_csv: Annotated[bool, typer.Option("--csv", help="Every metric as CSV on stdout.")] = False,
     as_json: AsJson = False,
+    trainer: Annotated[
+        bool,
+        typer.Option(
+            "--trainer",
+            help="The table shows the trainer's figures: loss, updates, ratio, clip per side, "
+            "importance weights.",
+        ),
+    ] = False,
 ) -> None:
     """Show the run's per-step metrics (table, --csv or --json).
 
-    The table shows the headline metrics of SPEC §6; CSV and JSON carry every column."""
+    The table shows the headline metrics of SPEC §6 (--trainer: the trainer's, clip fractions
+    per side and importance weights included); CSV and JSON carry every column."""
     if as_csv and as_json:
         fail("choose one of --csv and --json", EXIT_BAD_INPUT)
     rows = _rows(database_url, run_id)
@@ -75,10 +101,29 @@ def metrics(
     if not rows:
         note(f"run {run_id} has released no step yet")
         return
+    if trainer:
+        show(trainer_table(rows, title=f"run {run_id}: the trainer per step"))
+        note("every column: --csv or --json")
+        return
     from refill.admin.progress import metrics_table
 
     show(metrics_table(rows, title=f"run {run_id}: metrics per step"))
     note("every column: --csv or --json")
+
+
+def trainer_table(rows: list[dict[str, Any]], title: str | None = None) -> Table:
+    """The trainer's columns of `rows` (step_metrics rows with their extras merged); a step
+    not trained yet, or a figure the trainer did not report (kl without a KL term), is "-"."""
+    table = Table(title=title, show_edge=False, pad_edge=False)
+    for _, header, _ in TRAINER_COLUMNS:
+        table.add_column(header, justify="right")
+    for row in rows:
+        cells = []
+        for key, _, pattern in TRAINER_COLUMNS:
+            value = row.get(key)
+            cells.append("-" if value is None else pattern.format(value))
+        table.add_row(*cells)
+    return table
 
 
 def plot(
