@@ -17,6 +17,14 @@ OWN_PARSERS = {
         "a chaos soak: runs back to back on a sim fleet under overlapping random faults",
     ),
     "scale": ("bench.scale", "ledger cost per result and memory per tenth of a long run (1,000,000 attempts)"),
+    "skip": (
+        "bench.skip",
+        "dynamic sampling with and without pre-rollout skipping: rollouts per trained group (sim)",
+    ),
+    "learning": (
+        "bench.learning",
+        "the tiny model on the CPU: GRPO, + dynamic sampling, + skipping; reward against tokens",
+    ),
 }
 
 

@@ -43,3 +43,27 @@ def test_overhead_bench_prints_each_phase_and_the_target() -> None:
         assert re.search(rf"^{phase}\s+[\d.]+\s+[\d.]+", out, re.MULTILINE), (phase, out)
     assert re.search(r"results recorded (\d+) \((\d+) committed", out), out
     assert "target <= 2.0 s wall" in out
+
+
+def test_skip_bench_prints_both_arms_with_and_without_learning_and_the_ratio() -> None:
+    out = run_bench(
+        "skip", "--prompts", "8", "--generations", "8", "--dataset", "64", "--epochs", "3",
+        "--workers", "2", "--in-flight", "8", "--processes", "1",
+    )
+    arms = re.findall(r"^  (ds|skip)( \+ learning)?\s+\d+\s+\d+\s+\d+\s+([\d.]+)", out, re.MULTILINE)
+    assert [a + b for a, b, _ in arms] == ["ds", "skip", "ds + learning", "skip + learning"], out
+    assert re.search(r"^  skip\s.*\s\d+\s+[\d.]+%$", out, re.MULTILINE), out  # skips, share never retried
+    assert "floor over 3 epochs (no history in the first)" in out
+    assert re.match(r"^skip/ds rollouts per trained group: [\d.]+$", out.splitlines()[-1]), out
+
+
+def test_learning_bench_prints_three_arms_a_figure_and_the_comparison(tmp_path: Path) -> None:
+    png = tmp_path / "learning.png"
+    out = run_bench(
+        "learning", "--steps", "2", "--prompts", "4", "--generations", "4", "--dataset", "16",
+        "--warm-start-steps", "10", "--cache-dir", str(tmp_path / "cache"), "-o", str(png),
+    )
+    for arm in ("grpo", "ds", "skip"):
+        assert re.search(rf"^  {arm}\s+2\s+\d+\s+[\d.]+\s+[\d.]+", out, re.MULTILINE), out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert re.match(r"^skip vs ds: tokens \d+% of ds, first-attempt reward gap -?[\d.]+$", out.splitlines()[-1]), out
