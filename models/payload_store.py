@@ -241,11 +241,11 @@ def read_groups(
 # --- what nothing will read ---------------------------------------------------------------
 
 
-def unclaimed(session: Session, run_id: int, names: dict[str, int]) -> list[str]:
-    """The names among `names` (name -> attempt id) that nothing will ever read: no committed
-    group holds them, and their attempt can send no result any more (it finished, or this
-    ledger never dispatched it). An attempt still in flight keeps its payload: its result may
-    be on the way.
+def unclaimed(session: Session, run_id: int, names: dict[str, int]) -> tuple[list[str], set[str]]:
+    """`(unclaimed, held)` of the names among `names` (name -> attempt id). Nothing will ever
+    read an unclaimed one: no committed group holds it, and its attempt can send no result any
+    more (it finished, or this ledger never dispatched it). A committed group holds each held
+    one. The rest belong to attempts still in flight: their results may be on the way.
 
     An attempt leaves the live states only by the transaction that records its result or
     fails it, and a payload only becomes a group's in that same transaction; so a name judged
@@ -256,7 +256,7 @@ def unclaimed(session: Session, run_id: int, names: dict[str, int]) -> list[str]
     for start in range(0, len(ids), _CHUNK):
         chunk = ids[start : start + _CHUNK]
         states.update(
-            session.execute(select(Attempt.id, Attempt.state).where(Attempt.run_id == run_id, Attempt.id.in_(chunk))).tuples().all()
+            session.execute(select(Attempt.id, Attempt.state).where(Attempt.run_id == run_id, Attempt.id.in_(chunk))).all()
         )
         held.update(
             session.scalars(
@@ -265,7 +265,8 @@ def unclaimed(session: Session, run_id: int, names: dict[str, int]) -> list[str]
                 )
             )
         )
-    return [name for name, attempt in names.items() if name not in held and states.get(attempt) not in _LIVE]
+    doomed = [name for name, attempt in names.items() if name not in held and states.get(attempt) not in _LIVE]
+    return doomed, held & names.keys()
 
 
 def lowest_live_attempt(session: Session, run_id: int) -> int:
@@ -333,8 +334,8 @@ class PayloadKeeper:
             attempt = stored_attempt(name)
             if attempt is not None and name not in self._held:
                 listed[name] = attempt
-        doomed = self.ledger.transaction(lambda s: unclaimed(s, self.run_id, listed), what="payload sweep")
-        self._held.update(set(listed) - set(doomed))
+        doomed, held = self.ledger.transaction(lambda s: unclaimed(s, self.run_id, listed), what="payload sweep")
+        self._held.update(held)
         removed = self.store.remove(doomed)
         # Only now: a bucket is closed once a sweep that began after its last attempt finished
         # went through it.

@@ -9,6 +9,7 @@ set says so in its log at WARNING level when its runtime is built.
 | variable | read by | what it does |
 | --- | --- | --- |
 | `REFILL_CHAOS_DUPLICATE_RESULTS=1` | generation worker | sends every result message twice |
+| `REFILL_CHAOS_WORKER_HOLD_AFTER_STORING=N` | generation worker | once N payloads are stored, every further attempt stores its payload and then holds its result, unsent, forever (log line `chaos: holding the result of attempt ... after storing its payload`); the suite SIGKILLs the worker there to prove the payload is swept and the attempt retried |
 | `REFILL_CHAOS_CONSUMER_HANG_AFTER_RESULTS=N` | results consumer | once N results are recorded, the next batch is written into its transaction and then held there, uncommitted, forever (log line `chaos: holding ... uncommitted`); the suite SIGKILLs the consumer there to prove the batch rolls back and its messages come back |
 | `REFILL_CHAOS_CLOCK_OFFSET_SECONDS=S` | any worker | shifts the process's own clock (`refill.models.clock.utcnow`) by S seconds, as on a machine whose clock is off; the suite proves that no lease or time-out is decided on it |
 
@@ -31,7 +32,8 @@ log = logging.getLogger(__name__)
 DUPLICATE_RESULTS = "REFILL_CHAOS_DUPLICATE_RESULTS"
 CONSUMER_HANG_AFTER_RESULTS = "REFILL_CHAOS_CONSUMER_HANG_AFTER_RESULTS"
 CLOCK_OFFSET_SECONDS = "REFILL_CHAOS_CLOCK_OFFSET_SECONDS"
-KNOBS = (DUPLICATE_RESULTS, CONSUMER_HANG_AFTER_RESULTS, CLOCK_OFFSET_SECONDS)
+WORKER_HOLD_AFTER_STORING = "REFILL_CHAOS_WORKER_HOLD_AFTER_STORING"
+KNOBS = (DUPLICATE_RESULTS, CONSUMER_HANG_AFTER_RESULTS, CLOCK_OFFSET_SECONDS, WORKER_HOLD_AFTER_STORING)
 
 
 def _flag(name: str) -> bool:
@@ -60,6 +62,26 @@ def announce() -> None:
 def result_copies() -> int:
     """How many times a generation worker sends each result (1 unless injecting duplicates)."""
     return 2 if _flag(DUPLICATE_RESULTS) else 1
+
+
+class WorkerChaos:
+    """The generation worker's hook: called after an attempt's payload is stored, before its
+    result is sent."""
+
+    def __init__(self) -> None:
+        self.hold_after = _count(WORKER_HOLD_AFTER_STORING)
+        self.stored = 0
+        self._lock = threading.Lock()
+
+    def after_storing(self, attempt_id: int) -> None:
+        if self.hold_after is None:
+            return
+        with self._lock:
+            self.stored += 1
+            hold = self.stored > self.hold_after
+        if hold:
+            log.error("chaos: holding the result of attempt %s after storing its payload", attempt_id)
+            threading.Event().wait()  # until the process is killed
 
 
 class ConsumerChaos:

@@ -48,6 +48,7 @@ from refill.rewards.loader import load_reward_fn
 from refill.rewards.scoring import RewardError, score_group
 from refill.tasks.backends import make_engine
 from refill.tasks.backends.engine_batching import BatchingEngine
+from refill.tasks.chaos import WorkerChaos
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,7 @@ class GenerationService:
         self.worker = worker
         self.engine_factory = engine_factory
         self.leases = LeaseKeeper(ledger, worker)
+        self._chaos = WorkerChaos()  # inert unless the fault suite sets its knob
         self._lock = threading.Lock()
         self._current: _RunEngine | None = None
         self._lease_seconds: dict[int, float] = {}
@@ -260,6 +262,7 @@ class GenerationService:
             # the prompt is tried again (elsewhere, or once the storage is back).
             log.warning("attempt %s: storing its payload under %s failed: %r", result.attempt_id, store.root, error)
             return failure("infra", f"could not store the payload under {store.root}: {error}", result.weight_version)
+        self._chaos.after_storing(result.attempt_id)
         return ClaimCheckResult(
             run_id=result.run_id,
             attempt_id=result.attempt_id,

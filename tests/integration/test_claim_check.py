@@ -252,10 +252,17 @@ def test_the_sweep_removes_what_no_committed_group_holds(d: Driver, claims: Clai
 
     keeper = PayloadKeeper(d.ledger, d.run_id, claims.store, interval=60, retention="keep")
     assert keeper.sweep() == 3
-    assert claims.names() == {committed_name, in_flight.payload.name, "0/notes.txt"}  # type: ignore[union-attr]
+    assert claims.names() == {committed_name, in_flight.payload.name, f"{bucket.name}/notes.txt"}  # type: ignore[union-attr]
     with d.ledger.session() as session:
-        assert unclaimed(session, d.run_id, {committed_name: committed_attempt, in_flight.payload.name: running_attempt}) == []  # type: ignore[union-attr,dict-item]
+        judged = unclaimed(session, d.run_id, {committed_name: committed_attempt, in_flight.payload.name: running_attempt})  # type: ignore[union-attr,dict-item]
+    assert judged == ([], {committed_name})
     assert keeper.sweep() == 0
+    # The attempt in flight never sends its result either: once its lease is reaped, the next
+    # sweep takes its payload (a payload kept for a live attempt is looked at again).
+    d.tick(120)
+    assert d.reap().attempts == 1
+    assert keeper.sweep() == 1
+    assert claims.names() == {committed_name, f"{bucket.name}/notes.txt"}
 
 
 def test_a_sweep_skips_the_buckets_whose_attempts_all_finished(d: Driver, claims: Claims, monkeypatch) -> None:  # type: ignore[no-untyped-def]
