@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from refill.tasks.backends.hf import processed_logprobs
+from refill.sampling import processed_logprobs
 
 
 @dataclass
