@@ -89,6 +89,8 @@ class GenerationService:
         self._chaos = WorkerChaos()  # inert unless the fault suite sets its knob
         self._lock = threading.Lock()
         self._current: _RunEngine | None = None
+        # Engines of other runs kept loaded (sim only: see _set_aside), by run.
+        self._set_aside_engines: dict[int, _RunEngine] = {}
         self._lease_seconds: dict[int, float] = {}
         self._lease_lock = threading.Lock()
         # No wait for company: a handshake goes at once, and those that arrive while one
@@ -282,11 +284,15 @@ class GenerationService:
             current = self._current
             if current is not None and current.run_id == run_id:
                 return current
+            kept = self._set_aside_engines.pop(run_id, None)
+            if kept is not None:
+                if current is not None:
+                    self._set_aside(current)
+                self._current = kept
+                return kept
             config, run_dir = self.ledger.transaction(lambda s: _run_config_and_dir(s, run_id), what="read run config")
             if current is not None:
-                # One engine per process: a worker moved to another run frees the GPU first.
-                log.info("switching engine from run %s to run %s", current.run_id, run_id)
-                current.engine.close()
+                self._set_aside(current)
             engine = self.engine_factory(config)
             batching = BatchingEngine.from_config(
                 engine, config, weights_provider=lambda needed: self._newest_weights(run_id, needed)
@@ -324,6 +330,28 @@ class GenerationService:
             if self._current is not None:
                 self._current.engine.close()
                 self._current = None
+            for kept in self._set_aside_engines.values():
+                kept.engine.close()
+            self._set_aside_engines.clear()
+
+    #: Engines of other runs a sim worker keeps loaded (runs sharing a fleet, issue 18).
+    SET_ASIDE_ENGINES = 16
+
+    def _set_aside(self, engine: _RunEngine) -> None:
+        """Make room for another run's engine (called with the lock held).
+
+        Runs sharing a fleet interleave their messages on every worker (the relay meters
+        them by run.share), and a closed engine fails the attempts that still hold it. A
+        sim engine costs nothing to keep, so it stays for the run's next message. A model
+        engine is closed (one per process: the GPU is freed first), as before."""
+        if engine.config.generation.backend == "sim":
+            if len(self._set_aside_engines) >= self.SET_ASIDE_ENGINES:
+                oldest = next(iter(self._set_aside_engines))
+                self._set_aside_engines.pop(oldest).engine.close()
+            self._set_aside_engines[engine.run_id] = engine
+            return
+        log.info("switching engine away from run %s", engine.run_id)
+        engine.engine.close()
 
 
 def _run_config(session, run_id: int) -> RunConfig:  # type: ignore[no-untyped-def]
