@@ -77,7 +77,7 @@ LEASE_SECONDS = 5
 #: is retried rather than dropped.
 SOAK_RUN: dict[str, Any] = merged(FAULT_RUN, {
     "data": {"builtin": "arith", "builtin_size": 2000},
-    "grpo": {"max_num_steps": 8, "num_prompts_per_step": 16},
+    "grpo": {"max_num_steps": 6, "num_prompts_per_step": 16},
     "generation": {
         "lease_seconds": LEASE_SECONDS,
         "sim": {"latency": {"distribution": "lognormal", "mean_seconds": 0.1, "sigma": 0.5}},
@@ -416,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
     from refill.models.migrate import upgrade
 
     workdir = Path(tempfile.mkdtemp(prefix="refill-soak-"))
+    # As root the PostgreSQL runs as another user, who must be able to pass through.
+    workdir.chmod(0o711)
     try:
         (workdir / "postgres").mkdir()
         (workdir / "redis").mkdir()

@@ -10,10 +10,14 @@ down, so the reaper gives each holder a whole lease after its return (models/lea
 
 from __future__ import annotations
 
+import time
+
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, text
+from sqlalchemy.exc import OperationalError
 
 from refill.models.tables import Attempt
+from refill.tasks.outage import PatientLedger, is_outage
 from tests.support.chaos_fleet import (
     FAULT_RUN,
     assert_nothing_lost,
@@ -23,6 +27,7 @@ from tests.support.chaos_fleet import (
     weight_version_at_least,
 )
 from tests.support.fleet import merged
+from tests.support.services import HOST, free_port
 
 pytestmark = pytest.mark.faults
 
@@ -63,3 +68,19 @@ def test_restart_postgresql_mid_run(fleet, fault_ledger) -> None:
     assert facts.reaped_running == 0 and facts.reaped_queued == 0, errors
     # The same processes carried on: they waited for the database rather than died.
     assert all(fleet.alive(name) for name in pids), {name: fleet.alive(name) for name in pids}
+
+
+def test_a_fleet_process_waits_for_an_unreachable_database() -> None:
+    """A fleet process's transaction keeps trying while nothing answers on the database's
+    port (an outage), for as long as its patience; a conflict is no outage to wait out."""
+    ledger = PatientLedger(f"postgresql+psycopg://postgres@{HOST}:{free_port()}/refill")
+    ledger.patience_seconds = 1.5
+    started = time.monotonic()
+    try:
+        with pytest.raises(OperationalError) as refused:
+            ledger.transaction(lambda s: s.execute(text("SELECT 1")), attempts=1)
+    finally:
+        ledger.dispose()
+    assert time.monotonic() - started >= 1.5
+    assert is_outage(refused.value)
+    assert not is_outage(ValueError("not a database error"))
