@@ -12,6 +12,10 @@ OWN_PARSERS = {
         "results consumed per second: the real pipeline beside a bare Celery round trip",
     ),
     "overhead": ("bench.overhead", "ledger time of one 4096-group step at p = 0.33, by phase"),
+    "payloads": (
+        "bench.payloads",
+        "the consumer's CPU and Redis bytes per result at 8 to 8,192 tokens: inline and as claim checks",
+    ),
     "soak": (
         "bench.soak",
         "a chaos soak: runs back to back on a sim fleet under overlapping random faults",

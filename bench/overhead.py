@@ -17,7 +17,16 @@ metrics     `record_release_metrics` (part of the release transaction)
 
 Printed beside them, not part of the total: the generation workers' lease handshakes
 (`start_attempts`, one transaction per bundle of up to 8 attempts, in the workers' processes) and the trainer's
-`claim_training` (reads the released batch).
+`claim_training` (reads the released batch; with claim checks, and its payloads read and verified).
+
+How a group travels (`--payload-store`, `infra.payloads.store`): `files` (the default) stores
+it in the run's payload store in the worker (`refill.tasks.generation.claim_check`, outside the
+timers) and the consumer records a claim check of a few hundred bytes, removing the payloads it
+discards after its commit (inside the record phase); `inline` sends it in the result message.
+Printed after the phases: the consumer's CPU ms per result (the record phase: decoding,
+recording, removing) and the Redis bytes of a result in flight (a sample of the results sent
+through Celery to a probe queue, as `python -m bench payloads` measures them; skipped when
+Redis cannot be reached).
 
 Results come from the `sim` back-end's model (prompt difficulty, n completions of
 `tokens_per_completion` tokens, `refill.rewards.sim:solved`), made outside the timers. `--profile`
@@ -33,6 +42,7 @@ import io
 import json
 import os
 import pstats
+import shutil
 import statistics
 import sys
 import time
@@ -51,7 +61,7 @@ if str(REPO) not in sys.path:
 def run_config(args: argparse.Namespace) -> dict[str, Any]:
     prompts = int(args.groups / (1 - args.p) * 1.6) + 3 * args.groups
     return {
-        "run": {"seed": 5, "name": "overhead"},
+        "run": {"seed": 5, "name": "overhead", "output_dir": OUTPUT_DIR},
         "data": {"builtin": "arith", "builtin_size": prompts},
         "generation": {
             "backend": "sim",
@@ -73,8 +83,12 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
             "use_dynamic_sampling": True,
         },
         "async_rl": {"max_lookahead_versions": 1, "over_dispatch": {"enabled": not args.no_over_dispatch}},
-        "infra": {"trainer": "null"},
+        "infra": {"trainer": "null", "payloads": {"store": args.payload_store}},
     }
+
+
+#: The runs' directory (their payload stores); emptied after each round.
+OUTPUT_DIR = "/tmp/refill-bench-overhead"
 
 
 PHASE = [""]
@@ -115,7 +129,7 @@ class Timers:
 
 def one_step(
     url: str, args: argparse.Namespace, profile: cProfile.Profile | None, phase: str | None = None
-) -> tuple[Timers, dict[str, int]]:
+) -> tuple[Timers, dict[str, int], list[dict[str, Any]]]:
     from refill.config import config_from_dict
     from refill.models import metrics as metrics_module
     from refill.models import slots as slots_module
@@ -125,12 +139,15 @@ def one_step(
     from refill.models.leases import start_attempts
     from refill.models.outbox import claim_outbox, mark_sent
     from refill.models.payload import GenerateMessage, ResultMessage
+    from refill.models.payload_store import FileStore, store_for
     from refill.models.results import Outcome, record_results
     from refill.models.runs import PromptRow, create_run, publish_initial_weights, start_run
+    from refill.models.settings import LedgerSettings
     from refill.models.training import claim_training
     from refill.rewards.loader import load_reward_fn
     from refill.rewards.scoring import score_group
     from refill.tasks.backends.sim import SimEngine
+    from refill.tasks.generation import claim_check
     from refill.tasks.relay import GENERATE_BUNDLE
     from refill.tasks.setup import format_prompt
 
@@ -171,13 +188,15 @@ def one_step(
             config_hash=hashlib.sha256(json.dumps(snapshot, sort_keys=True).encode()).hexdigest(),
             prompts=prompts,
             data_fingerprint="bench",
-            output_dir="/tmp/refill-bench-overhead",
+            output_dir=OUTPUT_DIR,
         )
         session.flush()
         publish_initial_weights(session, run.id, None)
-        return run.id
+        return run.id, run.run_dir
 
-    run_id = ledger.transaction(create)
+    run_id, run_dir = ledger.transaction(create)
+    payload_store = store_for(config, run_dir)
+    settings = LedgerSettings.from_config(config)
     # The pool hands this single thread the same connection every time; read its backend's CPU.
     from sqlalchemy import text
 
@@ -206,6 +225,7 @@ def one_step(
 
     slots_module.maybe_release = timed_release
     counts: dict[str, int] = defaultdict(int)
+    samples: list[dict[str, Any]] = []  # result bodies, for the Redis bytes of one in flight
     try:
         if profile is not None and phase == "admission":
             profile.enable()
@@ -257,17 +277,20 @@ def one_step(
                         continue
                     output = engine.generate([message])[0]
                     rewards = score_group(reward_fn, [c.text for c in output.completions], message.row)
-                    results.append(
-                        ResultMessage(
-                            run_id=run_id,
-                            attempt_id=message.attempt_id,
-                            worker="bench-worker",
-                            weight_version=0,
-                            prompt_token_ids=output.prompt_token_ids,
-                            completions=output.completions,
-                            rewards=rewards,
-                        ).to_json()
+                    result = ResultMessage(
+                        run_id=run_id,
+                        attempt_id=message.attempt_id,
+                        worker="bench-worker",
+                        weight_version=0,
+                        prompt_token_ids=output.prompt_token_ids,
+                        completions=output.completions,
+                        rewards=rewards,
                     )
+                    if payload_store is not None:
+                        result = claim_check(result, payload_store, settings, config.infra.max_result_bytes)
+                    results.append(result.to_json())
+                    if len(samples) < SAMPLES:
+                        samples.append(results[-1])
             if not results:
                 continue
             # The consumer decodes each body it receives; decoding is part of its cost.
@@ -277,18 +300,20 @@ def one_step(
             with timers.time("record"):
                 decoded = [ResultMessage.from_json(r) for r in results]
                 recorded = ledger.transaction(lambda s, d=decoded: record_results(s, d))
+                # What the consumer's remover thread does after the commit.
+                FileStore.of_run(run_dir).remove(name for _, name in recorded.discarded)
             if profile is not None and phase == "record":
                 profile.disable()
             timers.seconds["record"] -= timers.seconds["release"] - before
             for outcome in recorded.outcomes:
                 counts[outcome.outcome.value] += 1
             counts["results"] += len(recorded.outcomes)
-            counts["completions"] += sum(len(r.completions) for r in decoded)
-            counts["completion tokens"] += sum(len(c.token_ids) for r in decoded for c in r.completions)
+            counts["completions"] += sum(len(_lengths(r)) for r in decoded)
+            counts["completion tokens"] += sum(sum(_lengths(r)) for r in decoded)
             counts["record batches"] += 1
         with timers.time("trainer claim"):
             batch = ledger.transaction(lambda s: claim_training(s, run_id, 0, "bench-trainer"))
-        assert batch is not None and len(batch.groups) == args.groups, "the step did not release whole"
+            assert batch is not None and len(batch.groups) == args.groups, "the step did not release whole"
         counts["trained groups"] = len(batch.groups)
         assert counts[Outcome.COMMITTED.value] >= args.groups
     finally:
@@ -300,7 +325,17 @@ def one_step(
         print("statements by phase (this round): executions, parameter sets, seconds in the driver (server included)")
         for key, (number, seconds, rows) in sorted(statements.items(), key=lambda kv: -kv[1][1]):
             print(f"  {number:7d} {rows:7d} {seconds:7.3f}  {key}")
-    return timers, counts
+    return timers, counts, samples
+
+
+def _lengths(result: Any) -> list[int]:
+    """Each completion's length, of a result inline or a claim check."""
+    lengths = getattr(result, "lengths", None)
+    return lengths if lengths is not None else [len(c.token_ids) for c in result.completions]
+
+
+#: Result bodies sent through Celery to measure what Redis holds for one in flight.
+SAMPLES = 64
 
 
 def _relay(session, claim_outbox, mark_sent, limit):  # type: ignore[no-untyped-def]
@@ -324,6 +359,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--relay-batch", type=int, default=1000, help="outbox rows per relay transaction")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--no-over-dispatch", action="store_true", help="turn adaptive over-dispatch off")
+    parser.add_argument(
+        "--payload-store", choices=["files", "inline"], default="files",
+        help="infra.payloads.store: claim checks (files) or groups in the result message (inline)",
+    )
+    parser.add_argument("--redis-url", default=os.environ.get("REFILL_TEST_REDIS_URL", "redis://127.0.0.1:6379/0"))
     parser.add_argument(
         "--profile", nargs="?", const="record", default=None,
         help="profile one phase of the last round with cProfile: record (default), admission, relay, lease",
@@ -351,10 +391,14 @@ def main(argv: list[str] | None = None) -> int:
     # CPU time, not wall time: waits on the database (and on other processes for a core) drop out.
     profile = cProfile.Profile(time.process_time) if args.profile else None
     counts: dict[str, int] = {}
+    samples: list[dict[str, Any]] = []
     for i in range(args.repeat):
         with temporary_pg_database("refill_bench_overhead") as url:
             upgrade(url)
-            timers, counts = one_step(url, args, profile if i == args.repeat - 1 else None, args.profile)
+            try:
+                timers, counts, samples = one_step(url, args, profile if i == args.repeat - 1 else None, args.profile)
+            finally:
+                shutil.rmtree(OUTPUT_DIR, ignore_errors=True)
         rounds.append(timers)
         total = sum(timers.seconds[p] for p in PHASES)
         cpu = sum(timers.cpu[p] + timers.db_cpu[p] for p in PHASES)
@@ -390,6 +434,12 @@ def main(argv: list[str] | None = None) -> int:
     row("controller overhead", PHASES, f"   target <= {args.target:.1f} s wall: {verdict}")
     for extra in ("lease handshakes", "trainer claim"):
         row(extra + " (not counted)", (extra,))
+    consumer_cpu = statistics.median(t.cpu["record"] for t in rounds)
+    print(
+        f"consumer CPU per result (record phase: decode, record, remove discarded payloads): "
+        f"{consumer_cpu / results * 1000:.2f} ms ({args.payload_store})"
+    )
+    print(f"redis bytes per result in flight: {_redis_bytes(args.redis_url, samples)}")
     print(f"load average after: {load_average()}")
     if profile is not None:
         out = io.StringIO()
@@ -401,6 +451,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nprofile of the {args.profile} phase (last round), by cumulative time:")
         print(out.getvalue())
     return 0
+
+
+def _redis_bytes(redis_url: str, samples: list[dict[str, Any]]) -> str:
+    from bench.payloads import RedisProbe
+
+    try:
+        probe = RedisProbe(redis_url)
+        try:
+            lone = probe.entries(samples, bundled=False)
+            bundled = probe.entries(samples, bundled=True)
+        finally:
+            probe.close()
+    except Exception as error:  # noqa: BLE001 - a figure beside the bench's, not its subject
+        return f"not measured ({type(error).__name__}: {error})"
+    return (
+        f"{max(len(e) for e in lone)} B the largest lone message, {sum(len(e) for e in bundled) / len(samples):.0f} B "
+        f"per result bundled ({len(samples)} results sampled)"
+    )
 
 
 if __name__ == "__main__":

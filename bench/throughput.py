@@ -9,11 +9,15 @@ refill (the real pipeline)
     worker consume` processes and one `refill worker train` (real `celery worker` processes,
     started by tests/support/fleet.py), a controller in this process (admission, relay,
     reaper), the `sim` back-end with zero latency (`grpo.num_generations_per_prompt` = `--n`,
-    zero-variance fraction `--p`), the `null` trainer with no delay, dynamic sampling and
-    adaptive over-dispatch on. The run trains `--groups` groups (`--prompts-per-step` per
-    step). *Results consumed* = results the consumer recorded in the ledger (attempts
-    finished by a result: committed, filtered or failed, plus refused results); the window runs
-    from the controller's start to the ledger time of the last recorded result.
+    `--tokens` tokens per completion, zero-variance fraction `--p`), the `null` trainer with no
+    delay, dynamic sampling and adaptive over-dispatch on, groups stored as claim checks or
+    sent inline (`--payload-store`, `infra.payloads.store`). The run trains `--groups` groups
+    (`--prompts-per-step` per step). *Results consumed* = results the consumer recorded in the
+    ledger (attempts finished by a result: committed, filtered or failed, plus refused
+    results); the window runs from the controller's start to the ledger time of the last
+    recorded result. Printed with each round: the CPU ms per result of each group of processes
+    (`consume` is the results consumer's), and what Redis holds per result waiting on the
+    results queue (sampled every 50 ms by a process of its own, `bench.payloads.QueueSampler`).
 
 bare (Celery with no work)
     The same number of processes with the same pool and concurrency as the pipeline's two
@@ -197,10 +201,15 @@ def pipeline_config(args: argparse.Namespace, groups: int) -> dict[str, Any]:
         "generation": {
             "backend": "sim",
             "groups_in_flight": args.generate_concurrency or 8,
+            "max_new_tokens": max(16, args.tokens),  # the sim back-end stops a completion there
             "lease_seconds": 120,
             "heartbeat_seconds": 10,
             "queue_timeout_seconds": 600,
-            "sim": {"zero_variance_fraction": args.p, "latency": {"distribution": "constant", "mean_seconds": 0.0}},
+            "sim": {
+                "zero_variance_fraction": args.p,
+                "tokens_per_completion": args.tokens,
+                "latency": {"distribution": "constant", "mean_seconds": 0.0},
+            },
         },
         "reward": {"function": "refill.rewards.sim:solved"},
         "grpo": {
@@ -211,7 +220,11 @@ def pipeline_config(args: argparse.Namespace, groups: int) -> dict[str, Any]:
             "use_dynamic_sampling": True,
         },
         "async_rl": {"max_lookahead_versions": 1},
-        "infra": {"trainer": "null", "null_trainer_delay_seconds": 0.0},
+        "infra": {
+            "trainer": "null",
+            "null_trainer_delay_seconds": 0.0,
+            "payloads": {"store": args.payload_store},
+        },
     }
 
 
@@ -226,6 +239,8 @@ class PipelineRound:
     hops: dict[str, tuple[float, float]] = field(default_factory=dict)
     #: CPU ms per result consumed, by group of processes (the whole run, end to end)
     cpu: dict[str, float] = field(default_factory=dict)
+    #: what Redis held per result waiting on the results queue
+    redis: str = ""
 
     @property
     def rate(self) -> float:
@@ -273,10 +288,14 @@ class PipelineFleet:
                 "postgres": pids_named("postgres"),
             }
         )
+        from bench.payloads import QueueSampler
+        from refill.tasks.queues import RESULTS
+
         meter.__enter__()
         started = time.time()
-        controller.start()
-        status = controller.run(max_seconds=900)
+        with QueueSampler(os.environ["REFILL_TEST_REDIS_URL"], self.fleet.prefix + RESULTS) as sampler:
+            controller.start()
+            status = controller.run(max_seconds=900)
         meter.__exit__()
         if status != "completed":
             raise RuntimeError(f"run {run_id} ended {status}\n{self.fleet.tail_logs()}")
@@ -309,7 +328,9 @@ class PipelineFleet:
         results, end, reaped, violations, hops = ledger.transaction(measure)
         ledger.dispose()
         cpu = {k: v * 1000 / results for k, v in meter.used.items()}
-        return PipelineRound(results, end - started, groups, int(reaped or 0), violations, latency_breakdown(hops), cpu)
+        return PipelineRound(
+            results, end - started, groups, int(reaped or 0), violations, latency_breakdown(hops), cpu, sampler.line()
+        )
 
     def stop(self) -> None:
         stop_processes(self.fleet.workers)
@@ -416,6 +437,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--groups", type=int, default=2000, help="groups the pipeline's run trains")
     parser.add_argument("--prompts-per-step", type=int, default=250, help="N, groups per step")
     parser.add_argument("--n", type=int, default=16, help="completions per group")
+    parser.add_argument("--tokens", type=int, default=8, help="tokens per completion (the sim back-end's default 8)")
+    parser.add_argument(
+        "--payload-store", choices=["files", "inline"], default="files",
+        help="infra.payloads.store: claim checks (files) or groups in the result message (inline)",
+    )
     parser.add_argument("--p", type=float, default=0.33, help="zero-variance fraction of the sim back-end")
     parser.add_argument("--generate-workers", type=int, default=2)
     parser.add_argument("--consume-workers", type=int, default=1)
@@ -441,7 +467,8 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="refill-bench-throughput-"))
     expected = round(args.groups / (1 - args.p))
     print(
-        f"throughput: {args.groups} groups, N={args.prompts_per_step}, n={args.n}, p={args.p}, "
+        f"throughput: {args.groups} groups, N={args.prompts_per_step}, n={args.n} x {args.tokens} tokens, p={args.p}, "
+        f"payloads {args.payload_store}, "
         f"{args.generate_workers} generate + {args.consume_workers} consume workers, "
         f"{os.cpu_count()} CPUs, load average {load_average()}",
         flush=True,
@@ -477,6 +504,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 print("    CPU ms per result: refill " + cpu_line(measured.cpu) + " | bare round trip "
                       + cpu_line(bare_cpu) + " | bare 1-hop " + cpu_line(one_hop_cpu))
+                print(f"    redis: {measured.redis}")
                 print("    refill attempt hops, median/p90 ms: " + ", ".join(
                     f"{name} {mid:.0f}/{p90:.0f}" for name, (mid, p90) in measured.hops.items()))
                 for violation in measured.violations[:5]:

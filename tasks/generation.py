@@ -240,42 +240,10 @@ class GenerationService:
         )
         if run_engine.store is None:
             return result
-        return self._stored(run_engine, result, failure)
-
-    def _stored(
-        self, run_engine: _RunEngine, result: ResultMessage, failure: Callable[..., ResultMessage]
-    ) -> ResultMessage:
-        """The claim check of `result`: its group checked, packed and stored in the run's
-        payload store, and the small message that names it."""
-        store = run_engine.store
-        assert store is not None
-        settings = run_engine.settings
-        problem, rollout = decisions.checked_payload(result, settings.group_size, settings.vocab_size)
-        if problem is not None:
-            return failure("data", problem, result.weight_version)
-        assert rollout is not None  # no problem: checked_payload built it
-        payload = rollout_codec.pack_payload(rollout, rollout_codec.texts(result.completions))
-        if len(payload) > run_engine.max_result_bytes:
-            return failure("data", _oversized(len(payload), run_engine.max_result_bytes), result.weight_version)
-        try:
-            ref = store.put(result.attempt_id, payload)
-        except OSError as error:
-            # The shared storage is full or unreachable from this worker: an infra failure, so
-            # the prompt is tried again (elsewhere, or once the storage is back).
-            log.warning("attempt %s: storing its payload under %s failed: %r", result.attempt_id, store.root, error)
-            return failure("infra", f"could not store the payload under {store.root}: {error}", result.weight_version)
-        self._chaos.after_storing(result.attempt_id)
-        return ClaimCheckResult(
-            run_id=result.run_id,
-            attempt_id=result.attempt_id,
-            worker=result.worker,
-            weight_version=result.weight_version,
-            rewards=result.rewards,
-            generation_seconds=result.generation_seconds,
-            payload=ref,
-            prompt_length=len(result.prompt_token_ids),
-            lengths=[len(c.token_ids) for c in result.completions],
-        )
+        checked = claim_check(result, run_engine.store, run_engine.settings, run_engine.max_result_bytes)
+        if checked.payload is not None:
+            self._chaos.after_storing(checked.attempt_id)
+        return checked
 
     # --- the engine of a run -------------------------------------------------------------
 
@@ -363,6 +331,52 @@ def _run_config_and_dir(session, run_id: int) -> tuple[RunConfig, str]:  # type:
     if row is None:
         raise LookupError(f"there is no run {run_id} in the ledger")
     return from_snapshot(row.config, source=f"run {run_id}'s stored config"), row.run_dir
+
+
+def claim_check(
+    result: ResultMessage, store: FileStore, settings: LedgerSettings, max_result_bytes: int
+) -> ClaimCheckResult:
+    """The claim check of a finished group (`result`, inline): the group checked (as the ledger
+    would check it inline, here where it is cheapest), packed and stored in the run's payload
+    store, and the small message that names it. A group that cannot be used is a data failure
+    and one that cannot be stored an infra failure, with nothing stored."""
+
+    def failure(kind: str, error: str) -> ClaimCheckResult:
+        return ClaimCheckResult(
+            run_id=result.run_id,
+            attempt_id=result.attempt_id,
+            worker=result.worker,
+            weight_version=result.weight_version,
+            error_kind=kind,
+            error=error,
+            generation_seconds=result.generation_seconds,
+        )
+
+    problem, rollout = decisions.checked_payload(result, settings.group_size, settings.vocab_size)
+    if problem is not None:
+        return failure("data", problem)
+    assert rollout is not None  # no problem: checked_payload built it
+    payload = rollout_codec.pack_payload(rollout, rollout_codec.texts(result.completions))
+    if len(payload) > max_result_bytes:
+        return failure("data", _oversized(len(payload), max_result_bytes))
+    try:
+        ref = store.put(result.attempt_id, payload)
+    except OSError as error:
+        # The shared storage is full or unreachable from this worker: an infra failure, so the
+        # prompt is tried again (elsewhere, or once the storage is back).
+        log.warning("attempt %s: storing its payload under %s failed: %r", result.attempt_id, store.root, error)
+        return failure("infra", f"could not store the payload under {store.root}: {error}")
+    return ClaimCheckResult(
+        run_id=result.run_id,
+        attempt_id=result.attempt_id,
+        worker=result.worker,
+        weight_version=result.weight_version,
+        rewards=result.rewards,
+        generation_seconds=result.generation_seconds,
+        payload=ref,
+        prompt_length=len(result.prompt_token_ids),
+        lengths=[len(c.token_ids) for c in result.completions],
+    )
 
 
 def _oversized(size: int, limit: int) -> str:
