@@ -45,6 +45,19 @@ def test_overhead_bench_prints_each_phase_and_the_target() -> None:
     assert "target <= 2.0 s wall" in out
 
 
+def test_scale_bench_prints_each_tenth_and_the_two_growth_figures() -> None:
+    out = run_bench(
+        "scale", "--attempts", "400", "--prompts", "16", "--generations", "4",
+        "--workers", "2", "--in-flight", "8", "--dataset", "400",
+    )
+    tenths = re.findall(r"^tenth\s+(\d+): .*cpu ms/result\s+[\d.]+ .*KiB/attempt .*peak RSS bench \d+ MiB", out, re.MULTILINE)
+    assert tenths == [str(i) for i in range(1, 11)], out
+    assert re.search(
+        r"^per-result cost last/first tenth: [\d.]+; peak RSS growth after the first tenth: -?[\d.]+%$",
+        out.splitlines()[-1],
+    ), out
+
+
 def test_skip_bench_prints_both_arms_with_and_without_learning_and_the_ratio() -> None:
     out = run_bench(
         "skip", "--prompts", "8", "--generations", "8", "--dataset", "64", "--epochs", "3",
