@@ -62,7 +62,6 @@ log = logging.getLogger(__name__)
 
 #: The store's directory under a run's directory.
 PAYLOADS = "payloads"
-_SUFFIX = ".rfp"
 _LIVE = tuple(state.value for state in AttemptState.live())
 #: Ids per ledger query of a sweep.
 _CHUNK = 1000
