@@ -20,9 +20,11 @@ update, so several updates per step and stale groups are one decoupled PPO objec
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +38,9 @@ from refill.model_loading import (
     model_directory,
 )
 from refill.models.payload import TrainGroup
-from refill.trainer import checkpoints
+from refill.trainer import checkpoints, sharding
 from refill.trainer.advantages import group_advantages, shape_rewards
+from refill.trainer.distributed import World, agreed, peak_memory_bytes, reset_peak_memory
 from refill.trainer.loss import dapo_loss, raw_importance_weights
 from refill.trainer.minibatches import MiniBatch, StepSums, split_into_mini_batches
 from refill.trainer.sequence_batches import TrainSequence, score
@@ -62,12 +65,28 @@ def lr_multiplier(step: int, settings: TrainerConfig) -> float:
 
 
 class GRPOTrainer:
-    """Owns the policy, its optimizer and schedule, and the run's weight/checkpoint files."""
+    """Owns the policy, its optimizer and schedule, and the run's weight/checkpoint files.
 
-    def __init__(self, config: Any, run_dir: str | os.PathLike[str], device: str | None = None):
+    With a `world` (`refill.trainer.distributed`), this is one rank of a trainer of several:
+    every rank makes the same calls in the same order, the policy is sharded with FSDP2
+    (`refill.trainer.sharding`), each rank trains on its share of every update, and rank 0
+    alone writes what one writer must (the published weights, the checkpoint's own files).
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        run_dir: str | os.PathLike[str],
+        device: str | None = None,
+        world: World | None = None,
+    ):
         self.settings = read_settings(config)
         self.run_dir = Path(run_dir)
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.world = world
+        if world is not None:
+            self.device = world.device
+        else:
+            self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.source = model_directory(self.settings.model.name_or_path)
         self.tokenizer = load_tokenizer(self.source)
         self.model: Any = None
@@ -76,6 +95,40 @@ class GRPOTrainer:
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         #: Optimizer steps taken: the weight version the model holds. None until `restore`.
         self.version: int | None = None
+
+    @property
+    def rank(self) -> int:
+        return self.world.rank if self.world is not None else 0
+
+    @property
+    def ranks(self) -> int:
+        return self.world.size if self.world is not None else 1
+
+    def _lockstep(self, what: str) -> Any:
+        return self.world.lockstep(what) if self.world is not None else contextlib.nullcontext()
+
+    def _check(self, problem: Callable[[], BaseException | None]) -> None:
+        """Raise what `problem()` finds, on every rank alike: rank 0 looks (at the files every
+        rank shares) and tells the others, so that no rank goes on into a collective alone."""
+        found = problem() if self.world is None or self.world.leader else None
+        if self.world is not None:
+            found = self.world.broadcast(found)
+        if found is not None:
+            raise agreed(found)
+
+    def _on_leader(self, action: Callable[[], Any], what: str) -> None:
+        """Run `action` on rank 0 alone (every rank if there is no world); its failure is
+        every rank's."""
+        if self.world is None:
+            action()
+            return
+        error: BaseException | None = None
+        if self.world.leader:
+            try:
+                action()
+            except Exception as caught:  # noqa: BLE001 - World.agree raises it on every rank
+                error = caught
+        self.world.agree(error, what)
 
     # -- state -------------------------------------------------------------------------------
 
@@ -89,38 +142,59 @@ class GRPOTrainer:
         # Until this returns the model may hold a mix of versions; nothing may train on it.
         self.version = None
         path = weights_dir(self.run_dir, version)
-        if version == 0 and not has_weights(path):
+        if version == 0:
             from refill.trainer.warmstart import prepare_initial_weights
 
-            prepare_initial_weights(self.settings, self.run_dir)
-        if not has_weights(path):
-            raise FileNotFoundError(
-                f"weight version {version} is not published under {path.parent}; restore a "
-                "version that `refill.trainer.weights.published_versions` lists"
-            )
-        state = checkpoints.load(self.run_dir, version) if version > 0 else None
-        if state is not None and state.get("version") != version:
-            raise ValueError(
-                f"checkpoint v{version:06d} says it holds version {state.get('version')}; "
-                "the checkpoint directory was renamed or mixed up"
-            )
+            def prepare() -> None:
+                if not has_weights(path):
+                    prepare_initial_weights(self.settings, self.run_dir)
 
-        if self.model is None:
+            self._on_leader(prepare, "preparing weight version 0")
+
+        def not_there() -> BaseException | None:
+            if not has_weights(path):
+                return FileNotFoundError(
+                    f"weight version {version} is not published under {path.parent}; restore a "
+                    "version that `refill.trainer.weights.published_versions` lists"
+                )
+            if version > 0 and not checkpoints.exists(self.run_dir, version):
+                return checkpoints.missing(self.run_dir, version)
+            return None
+
+        self._check(not_there)
+        if self.world is not None:
+            if self.model is None or version == 0:
+                # A sharded model is (re)built from rank 0's copy; a later version's weights
+                # come from its checkpoint below.
+                self.model = None
+                self.model = sharding.build(path, self.settings, self.world)
+        elif self.model is None:
             self.model = load_model(path, self.settings.model.dtype).to(self.device)
         else:
             load_weights_into(self.model, path)
         self.model.train()
         self._build_optimizer()
-        if state is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.scheduler.load_state_dict(state["scheduler"])
+        if version > 0:
+            with self._lockstep(f"loading checkpoint v{version}"):
+                state = checkpoints.load(
+                    self.run_dir,
+                    version,
+                    model=self.model,
+                    optimizer=self.optimizer,
+                    scheduler=self.scheduler,
+                    world=self.world,
+                )
             checkpoints.restore_rng(state["rng"])
         else:
             torch.manual_seed(self.settings.run.seed)
         if self.settings.loss.reference_policy_kl_penalty > 0 and self.reference is None:
             # The reference is the initial policy, frozen, whatever version we resume from.
-            self.reference = load_model(weights_dir(self.run_dir, 0), self.settings.model.dtype)
-            self.reference.to(self.device).eval().requires_grad_(False)
+            initial = weights_dir(self.run_dir, 0)
+            if self.world is not None:
+                self.reference = sharding.build(initial, self.settings, self.world, trainable=False)
+            else:
+                self.reference = load_model(initial, self.settings.model.dtype)
+                self.reference.to(self.device).eval().requires_grad_(False)
         self.version = version
 
     def _build_optimizer(self) -> None:
@@ -137,39 +211,58 @@ class GRPOTrainer:
         )
 
     def _require_version(self, what: str) -> int:
+        # The version checks here and below see the same version on every rank (rank 0's,
+        # sent with each order), so every rank refuses alike.
         if self.version is None:
-            raise RuntimeError(f"call restore(version) before {what}")
+            raise agreed(RuntimeError(f"call restore(version) before {what}"))
         return self.version
 
     def publish(self, version: int) -> str:
-        """Write the current weights as `weights/v{version:06d}/` (atomically); its path."""
+        """Write the current weights as `weights/v{version:06d}/` (atomically, in `model.dtype`;
+        by rank 0 alone under a world); its path."""
         current = self._require_version("publish")
         if version != current:
-            raise ValueError(
-                f"the trainer holds weight version {current}, not {version}; publish(v) "
-                "must name the version the trainer is at"
+            raise agreed(
+                ValueError(
+                    f"the trainer holds weight version {current}, not {version}; publish(v) "
+                    "must name the version the trainer is at"
+                )
             )
         final = weights_dir(self.run_dir, version)
-        with atomic_directory(final) as tmp:
-            save_model_dir(self.model, self.tokenizer, tmp)
+        state = None
+        if self.world is not None:
+            state = sharding.gather_full(self.model, self.world, self.settings.model.dtype)
+
+        def write() -> None:
+            with atomic_directory(final) as tmp:
+                save_model_dir(self.model, self.tokenizer, tmp, state_dict=state)
+
+        self._on_leader(write, f"publishing weight version {version}")
         return str(final)
 
     def checkpoint(self, version: int) -> str:
-        """Save optimizer, scheduler and RNG at `version` (publishing its weights if needed);
-        only the newest `optimizer.keep_checkpoints` checkpoints are kept."""
+        """Save model, optimizer, scheduler and RNG at `version` (publishing its weights if
+        needed); only the newest `optimizer.keep_checkpoints` checkpoints are kept."""
         current = self._require_version("checkpoint")
         if version != current:
-            raise ValueError(f"the trainer holds version {current}, cannot checkpoint {version}")
-        if not has_weights(weights_dir(self.run_dir, version)):
+            raise agreed(
+                ValueError(f"the trainer holds version {current}, cannot checkpoint {version}")
+            )
+        rng = checkpoints.capture_rng()
+        unpublished = not has_weights(weights_dir(self.run_dir, version))
+        if self.world is not None:
+            unpublished = self.world.broadcast(unpublished)
+        if unpublished:
             self.publish(version)
-        state = {
-            "version": version,
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "rng": checkpoints.capture_rng(),
-        }
         path = checkpoints.save(
-            self.run_dir, version, state, self.settings.optimizer.keep_checkpoints
+            self.run_dir,
+            version,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            rng=rng,
+            keep=self.settings.optimizer.keep_checkpoints,
+            world=self.world,
         )
         return str(path)
 
@@ -239,34 +332,44 @@ class GRPOTrainer:
         update clipped against the log-probs of the weights the step started from. The
         trainer moves to version `step + 1`; the LR schedule advances once."""
         current = self._require_version("train_step")
-        if step != current:
-            raise ValueError(
-                f"the trainer holds weight version {current}, so the next step it can train is "
-                f"{current}, not {step}; restore({step}) first to train step {step}"
-            )
-        if not groups:
-            raise ValueError(f"step {step} has no groups to train on")
         started = time.perf_counter()
         s = self.settings
-        sequences = self._sequences(step, groups)
-        step_tokens = sum(len(seq.completion_ids) for seq in sequences)
-        if step_tokens == 0:
-            raise ValueError(f"step {step}: every completion is empty, nothing to train on")
+        try:
+            if step != current:
+                raise ValueError(
+                    f"the trainer holds weight version {current}, so the next step it can train "
+                    f"is {current}, not {step}; restore({step}) first to train step {step}"
+                )
+            if not groups:
+                raise ValueError(f"step {step} has no groups to train on")
+            sequences = self._sequences(step, groups)
+            step_tokens = sum(len(seq.completion_ids) for seq in sequences)
+            if step_tokens == 0:
+                raise ValueError(f"step {step}: every completion is empty, nothing to train on")
+        except ValueError as error:
+            raise agreed(error) from None  # every rank checks the same groups alike
         mini_batches = split_into_mini_batches(
             sequences,
             [g.attempt_id for g in groups],
             s.optimizer.groups_per_update,
             s.optimizer.micro_batch_tokens,
             self.tokenizer.pad_token_id,
+            rank=self.rank,
+            ranks=self.ranks,
         )
         sums = StepSums(step_tokens=float(step_tokens))
-        self._score_proximal(mini_batches, sums)
-
+        reset_peak_memory(self.device)
         lr = self.scheduler.get_last_lr()[0]
         total = len(mini_batches) * s.optimizer.passes_per_step
-        for _ in range(s.optimizer.passes_per_step):
-            for mini_batch in mini_batches:
-                self._update(step, mini_batch, sums, done=len(sums.losses), total=total)
+        with self._lockstep(f"training step {step}"):
+            self._agree_on_normalisers(step, mini_batches)
+            self._score_proximal(mini_batches, sums)
+            for _ in range(s.optimizer.passes_per_step):
+                for mini_batch in mini_batches:
+                    self._update(step, mini_batch, sums, done=len(sums.losses), total=total)
+            micro_batches = float(sum(1 for m in mini_batches for b in m.micro if b.tokens))
+            if self.world is not None:
+                micro_batches = self._sum_over_ranks(sums, micro_batches)
         self.scheduler.step()
         self.version = step + 1
 
@@ -276,7 +379,7 @@ class GRPOTrainer:
             sequences=float(len(sequences)),
             groups=float(len(groups)),
             mini_batches=float(len(mini_batches)),
-            micro_batches=float(sum(len(m.micro) for m in mini_batches)),
+            micro_batches=micro_batches,
             lr=lr,
             staleness_mean=sum(staleness) / len(staleness),
             staleness_max=float(max(staleness)),
@@ -284,7 +387,55 @@ class GRPOTrainer:
         )
         if self.reference is not None:
             metrics["kl"] = sums.kl / sums.visited
+        metrics.update(self._rank_figures(time.perf_counter() - started))
         return metrics
+
+    def _agree_on_normalisers(self, step: int, mini_batches: list[MiniBatch]) -> None:
+        """Each update's loss is divided by its token (and sequence) count over all ranks: the
+        ranks add up their shares' counts, which must come to the planned totals (every rank
+        planned the same split from the same groups)."""
+        if self.world is None:
+            return
+        local = [float(x) for m in mini_batches for x in (m.tokens, len(m.sequences))]
+        summed = self.world.sum(local)
+        planned = [float(x) for m in mini_batches for x in (m.total_tokens, m.total_sequences)]
+        if summed != planned:
+            raise RuntimeError(
+                f"step {step}: the ranks' shares add up to {summed} tokens and sequences per "
+                f"update, not the planned {planned}: the ranks did not plan the same step"
+            )
+
+    def _sum_over_ranks(self, sums: StepSums, micro_batches: float) -> float:
+        """Turn this rank's token sums into the step's (the gradient norms are global already:
+        FSDP's norm is over the whole sharded gradient). Returns the step's micro-batches."""
+        fields = (
+            "entropy",
+            "advantage_abs",
+            "importance_weight",
+            "truncated",
+            "visited",
+            "clipped_low",
+            "clipped_high",
+            "ratio",
+            "kl",
+        )
+        values = [getattr(sums, f) for f in fields] + list(sums.losses) + [micro_batches]
+        totals = self.world.sum(values)
+        for name, value in zip(fields, totals, strict=False):
+            setattr(sums, name, value)
+        sums.losses = totals[len(fields) : len(fields) + len(sums.losses)]
+        return totals[-1]
+
+    def _rank_figures(self, seconds: float) -> dict[str, float]:
+        """Each rank's step time and peak memory (`rank{r}_step_seconds`,
+        `rank{r}_peak_memory_bytes`) and the number of ranks."""
+        mine = (seconds, peak_memory_bytes(self.device))
+        every = self.world.gather(mine) if self.world is not None else [mine]
+        figures = {"ranks": float(len(every))}
+        for rank, (took, peak) in enumerate(every):
+            figures[f"rank{rank}_step_seconds"] = float(took)
+            figures[f"rank{rank}_peak_memory_bytes"] = float(peak)
+        return figures
 
     def _score_proximal(self, mini_batches: list[MiniBatch], sums: StepSums) -> None:
         """Score every micro-batch once with the weights the step starts from (the proximal
@@ -341,8 +492,8 @@ class GRPOTrainer:
                 eps_low=s.loss.ratio_clip_min,
                 eps_high=s.loss.ratio_clip_max,
                 token_level=s.loss.token_level_loss,
-                step_tokens=float(mini_batch.tokens),
-                step_sequences=float(len(mini_batch.sequences)),
+                step_tokens=float(mini_batch.total_tokens),
+                step_sequences=float(mini_batch.total_sequences),
                 logp_sampling=batch.sampling_logprobs.to(self.device) if correct else None,
                 truncation=s.loss.truncated_importance_sampling_ratio,
                 logp_ref=mini_batch.ref[i],
@@ -356,24 +507,30 @@ class GRPOTrainer:
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = s.optimizer.max_grad_norm
         if max_norm:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         else:
-            grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in params]))
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        # Over sharded gradients the norm is a DTensor: the whole gradient's, once gathered.
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         if not math.isfinite(grad_norm):
+            # The norm is the whole gradient's on every rank, so every rank stops here alike.
             self.optimizer.zero_grad(set_to_none=True)
+            advice = "lower optimizer.lr, or check the rewards and log-probs of this batch"
             if done == 0:
-                raise FloatingPointError(
-                    f"step {step}: the gradient norm is {grad_norm}; the weights were not "
-                    "updated (lower optimizer.lr, or check the rewards and log-probs of this "
-                    "batch)"
+                raise agreed(
+                    FloatingPointError(
+                        f"step {step}: the gradient norm is {grad_norm}; the weights were not "
+                        f"updated ({advice})"
+                    )
                 )
             # The step's earlier updates are in the weights: they are no version at all.
             self.version = None
-            raise FloatingPointError(
-                f"step {step}: the gradient norm of update {done + 1} of {total} is "
-                f"{grad_norm}; the {done} update(s) before it were applied, so restore({step}) "
-                "before training the step again (lower optimizer.lr, or check the rewards and "
-                "log-probs of this batch)"
+            raise agreed(
+                FloatingPointError(
+                    f"step {step}: the gradient norm of update {done + 1} of {total} is "
+                    f"{grad_norm}; the {done} update(s) before it were applied, so "
+                    f"restore({step}) before training the step again ({advice})"
+                )
             )
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

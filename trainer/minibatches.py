@@ -10,6 +10,13 @@ what lets the ratio move away from 1 and the clip act.
 A mini-batch is split into micro-batches by token budget for memory; the loss of an update is
 normalised by its mini-batch's token (or sequence) count, so the micro-batch split changes
 nothing but floating-point order.
+
+A trainer of several ranks splits each mini-batch's sequences over the ranks, balanced by tokens
+(`share_by_tokens`); each rank packs its share into micro-batches, and the normaliser stays the
+whole mini-batch's count, so the gradients the ranks sum are the single-process gradient. FSDP
+pairs the ranks' forward and backward passes collective by collective, so every rank runs as
+many micro-batches as the busiest one: the others get empty ones (no completion token, no
+gradient).
 """
 
 from __future__ import annotations
@@ -27,8 +34,12 @@ class MiniBatch:
     """The sequences of one optimizer update, packed into micro-batches, with what the step
     scored for them before its first update (filled by the trainer)."""
 
+    #: This rank's share of the update's sequences, and their micro-batches.
     sequences: list[TrainSequence]
     micro: list[MicroBatch]
+    #: The update's completion tokens and sequences over every rank: its loss's normaliser.
+    total_tokens: int = 0
+    total_sequences: int = 0
     #: Per micro-batch: proximal log-probs at the sampling temperature.
     old: list[torch.Tensor] = field(default_factory=list)
     #: Per micro-batch: proximal log-probs under temperature and top-p (None at top_p = 1).
@@ -38,7 +49,32 @@ class MiniBatch:
 
     @property
     def tokens(self) -> int:
+        """This rank's completion tokens."""
         return sum(len(s.completion_ids) for s in self.sequences)
+
+
+def share_by_tokens(sequences: list[TrainSequence], ranks: int) -> list[list[int]]:
+    """Indices of `sequences` per rank, in their order, balanced by tokens (prompt and
+    completion: what a forward pass costs): longest first, each to the least loaded rank."""
+    loads = [0] * ranks
+    shares: list[list[int]] = [[] for _ in range(ranks)]
+    for i in sorted(range(len(sequences)), key=lambda i: (-sequences[i].length, i)):
+        rank = min(range(ranks), key=lambda r: (loads[r], r))
+        shares[rank].append(i)
+        loads[rank] += sequences[i].length
+    return [sorted(share) for share in shares]
+
+
+def padding_micro_batch(pad_id: int) -> MicroBatch:
+    """A micro-batch with no completion token: a rank's forward and backward pass that adds
+    nothing (two attended tokens, so that every logit stays finite)."""
+    return MicroBatch(
+        input_ids=torch.full((1, 2), pad_id, dtype=torch.long),
+        attention_mask=torch.ones((1, 2), dtype=torch.long),
+        completion_mask=torch.zeros((1, 1), dtype=torch.float32),
+        advantages=torch.zeros(1, dtype=torch.float32),
+        sampling_logprobs=torch.zeros((1, 1), dtype=torch.float32),
+    )
 
 
 def split_into_mini_batches(
@@ -47,13 +83,18 @@ def split_into_mini_batches(
     groups_per_update: int | None,
     micro_batch_tokens: int,
     pad_id: int,
+    *,
+    rank: int = 0,
+    ranks: int = 1,
 ) -> list[MiniBatch]:
     """The step's sequences as mini-batches of `groups_per_update` groups each (in the order
-    of `group_order`, a list of attempt ids; None: one mini-batch), packed into micro-batches.
+    of `group_order`, a list of attempt ids; None: one mini-batch), with this rank's share of
+    each packed into micro-batches.
 
     A group's completions stay together, so each update sees whole groups, whose advantages
     were computed together. Groups whose completions are all empty add no sequence, and a
-    mini-batch left with none is dropped: there is nothing to update on.
+    mini-batch left with none is dropped: there is nothing to update on. Every rank gets the
+    same number of mini-batches, and within one the same number of micro-batches.
     """
     by_group: dict[int, list[TrainSequence]] = {attempt: [] for attempt in group_order}
     for seq in sequences:
@@ -64,9 +105,20 @@ def split_into_mini_batches(
         chosen = [seq for a in group_order[start : start + size] for seq in by_group[a]]
         if not chosen:
             continue
-        plan = pack([seq.length for seq in chosen], micro_batch_tokens)
-        micro = [collate([chosen[i] for i in idx], pad_id) for idx in plan]
-        mini_batches.append(MiniBatch(sequences=chosen, micro=micro))
+        shares = share_by_tokens(chosen, ranks)
+        plans = [pack([chosen[i].length for i in share], micro_batch_tokens) for share in shares]
+        mine = [chosen[i] for i in shares[rank]]
+        micro = [collate([mine[i] for i in idx], pad_id) for idx in plans[rank]]
+        width = max(len(plan) for plan in plans)
+        micro += [padding_micro_batch(pad_id) for _ in range(width - len(micro))]
+        mini_batches.append(
+            MiniBatch(
+                sequences=mine,
+                micro=micro,
+                total_tokens=sum(len(seq.completion_ids) for seq in chosen),
+                total_sequences=len(chosen),
+            )
+        )
     return mini_batches
 
 

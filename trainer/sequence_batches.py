@@ -141,13 +141,15 @@ def _processed(
 ) -> torch.Tensor:
     # Only completion positions: the nucleus needs a sort over the vocabulary per position.
     where = batch.completion_mask.to(device) > 0
+    out = torch.zeros(targets.shape, dtype=torch.float32, device=device)
     rows = logits[where]
     count = rows.shape[0]
+    if count == 0:  # a rank's padding micro-batch
+        return out
     logp = processed_logprobs(
         rows,
         torch.full((count,), temperature, device=device),
         torch.full((count,), top_p, device=device),
     )
-    out = torch.zeros(targets.shape, dtype=torch.float32, device=device)
     out[where] = logp.gather(-1, targets[where].unsqueeze(-1)).squeeze(-1)
     return out

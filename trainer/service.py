@@ -40,10 +40,19 @@ class Trainer(Protocol):
 
 
 def make_trainer(config: RunConfig, run_dir: str) -> Trainer:
+    """The run's trainer in this process: rank 0's of a trainer of several ranks when the
+    process joined one (`refill worker train --nproc N`, torchrun), else a single process's."""
     if config.infra.trainer == "null":
         from refill.trainer.null import NullTrainer
 
         return NullTrainer.from_config(config)
+    from refill.trainer.distributed import current_world
+
+    world = current_world()
+    if world is not None:
+        from refill.trainer.ranks import RankTrainer
+
+        return RankTrainer(world, config, run_dir)
     from refill.trainer.grpo import GRPOTrainer
 
     return GRPOTrainer(config, run_dir)

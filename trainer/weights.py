@@ -86,6 +86,30 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def temporary_directory(final: Path) -> Path:
+    """A new empty directory beside `final`, dot-prefixed so no reader lists it as a version;
+    `commit_directory` turns it into `final`."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    return tmp
+
+
+def commit_directory(tmp: Path, final: Path) -> None:
+    """Make the filled `tmp` the directory `final` in one rename, after syncing it to disk. An
+    existing `final` is replaced; readers then briefly see no directory, never a mixed one."""
+    _fsync_tree(tmp)
+    if final.exists():
+        old = final.parent / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp, final)
+    _fsync_dir(final.parent)
+
+
 @contextlib.contextmanager
 def atomic_directory(final: Path) -> Iterator[Path]:
     """Yield a temporary directory beside `final`; on success it becomes `final` in one rename.
@@ -95,20 +119,10 @@ def atomic_directory(final: Path) -> Iterator[Path]:
     mixed one. On error the temporary directory is removed and `final` is left as it was.
     """
     final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    tmp = temporary_directory(final)
     try:
         yield tmp
-        _fsync_tree(tmp)
-        if final.exists():
-            old = final.parent / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp, final)
-        _fsync_dir(final.parent)
+        commit_directory(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -132,9 +146,12 @@ def copy_tree_atomic(source: Path, final: Path) -> Path:
     return final
 
 
-def save_model_dir(model: Any, tokenizer: Any, target: Path) -> None:
-    """Write `model` and `tokenizer` as a Hugging Face model directory into `target`."""
+def save_model_dir(
+    model: Any, tokenizer: Any, target: Path, state_dict: dict[str, Any] | None = None
+) -> None:
+    """Write `model` (its weights, or `state_dict` in their place: a sharded model's gathered
+    weights) and `tokenizer` as a Hugging Face model directory into `target`."""
     with quiet_transformers():
-        model.save_pretrained(str(target), safe_serialization=True)
+        model.save_pretrained(str(target), state_dict=state_dict, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(target))

@@ -300,6 +300,18 @@ class OptimizerConfig(_Section):
         return value
 
 
+class DistributedConfig(_Section):
+    # A trainer of several ranks (`refill worker train --nproc N`, or the same under torchrun):
+    # FSDP2 shards the policy, its gradients and its optimizer state over the ranks. A trainer
+    # of one process ignores this section.
+    # auto: bf16 parameters and compute with fp32 gradient reductions and fp32 master weights
+    # on a GPU that has bf16, full precision elsewhere (the CPU); bf16: refuse to run without.
+    mixed_precision: Literal["auto", "bf16", "off"] = "auto"
+    # Recompute each block's activations in the backward pass instead of keeping them: less
+    # memory for about a third more compute.
+    activation_checkpointing: bool = False
+
+
 class SamplerConfig(_Section):
     name: Literal["in_order", "ready_first", "weight_fifo", "windowed", "custom"] = "in_order"
     max_staleness_versions: int | None = Field(None, ge=0)  # windowed; <= max_lookahead_versions
@@ -427,6 +439,7 @@ SECTIONS: dict[str, type[_Section]] = {
     "rollout_failure": RolloutFailureConfig,
     "infra": InfraConfig,
     "logging": LoggingConfig,
+    "distributed": DistributedConfig,
 }
 
 
@@ -446,6 +459,7 @@ class RunConfig(_Section):
     rollout_failure: RolloutFailureConfig = Field(default_factory=RolloutFailureConfig)
     infra: InfraConfig = Field(default_factory=InfraConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
 
     # Warnings only the loader can know (what the file said before ${VAR} expansion).
     _load_warnings: list[str] = PrivateAttr(default_factory=list)
