@@ -284,10 +284,10 @@ def _f(value: float | None) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prompts", type=int, default=16, help="N, prompts per step")
+    parser.add_argument("--prompts", type=int, default=32, help="N, prompts per step")
     parser.add_argument("--generations", type=int, default=8, help="n, completions per prompt")
-    parser.add_argument("--steps", type=int, default=30, help="S, trained steps per arm")
-    parser.add_argument("--dataset", type=int, default=64, help="D, arithmetic prompts (revisited)")
+    parser.add_argument("--steps", type=int, default=40, help="S, trained steps per arm")
+    parser.add_argument("--dataset", type=int, default=128, help="D, arithmetic prompts (revisited)")
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warm-start-steps", type=int, default=400)

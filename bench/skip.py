@@ -53,6 +53,7 @@ class SkipScenario(Scenario):
     epochs: int = 3
     alpha: float = 0.3
     skipping: bool = False
+    exploration_rate: float | None = None  # data.prompt_skipping.exploration_rate (None: default)
     learning: tuple[float, float] | None = None  # (share, rate) of generation.sim.learning
 
     def num_prompts(self) -> int:
@@ -83,6 +84,9 @@ class SkipFleet(VirtualFleet):
             sim["learning"] = {"share": s.learning[0], "rate": s.learning[1]}
         self.config["grpo"].update(max_num_steps=100_000, max_num_epochs=s.epochs)
         self.config["data"]["prompt_skipping"] = {"enabled": s.skipping}
+        if s.exploration_rate is not None:
+            knobs = self.config["data"]["prompt_skipping"]
+            knobs.update(exploration_rate=s.exploration_rate, exploration_rate_min=min(0.05, s.exploration_rate))
         return super()._create()
 
 
@@ -151,24 +155,32 @@ def measure(fleet: VirtualFleet, trace: Trace, scenario: SkipScenario) -> Figure
         trained_ids = set(
             session.scalars(select(Group.attempt_id).where(Group.run_id == run_id, Group.trained_step.is_not(None)))
         )
+        draws = session.execute(
+            select(Prompt.position, PromptDraw.epoch, PromptDraw.skipped, PromptDraw.prompt_id)
+            .join(Prompt, Prompt.id == PromptDraw.prompt_id)
+            .where(PromptDraw.run_id == run_id)
+            .order_by(PromptDraw.epoch, PromptDraw.position)
+        ).all()
+        # The epochs in which the loader handed each prompt out (every epoch without skipping):
+        # a prompt's k-th attempt (retries aside) is its k-th hand-out.
+        handed: dict[int, list[int]] = {}
+        for _, epoch, skipped, prompt_id in draws:
+            if not skipped:
+                handed.setdefault(prompt_id, []).append(epoch)
         seen: Counter[int] = Counter()
         by_epoch: dict[int, list[int]] = {}
         for attempt_id, prompt_id, reason, zero_variance, _ in rows:
             if reason != AttemptReason.RETRY.value:
                 seen[prompt_id] += 1
-            epoch = seen[prompt_id] - 1
+            nth = seen[prompt_id] - 1
+            epochs = handed.get(prompt_id)
+            epoch = epochs[nth] if epochs is not None and nth < len(epochs) else nth
             entry = by_epoch.setdefault(epoch, [0, 0])
             entry[0] += zero_variance is not None
             entry[1] += attempt_id in trained_ids
-        draws = session.execute(
-            select(Prompt.position, PromptDraw.epoch, PromptDraw.skipped)
-            .join(Prompt, Prompt.id == PromptDraw.prompt_id)
-            .where(PromptDraw.run_id == run_id)
-            .order_by(PromptDraw.epoch, PromptDraw.position)
-        ).all()
         first_skip: dict[int, int] = {}
         retried: set[int] = set()
-        for position, epoch, skipped in draws:
+        for position, epoch, skipped, _ in draws:
             if skipped:
                 first_skip.setdefault(position, epoch)
             elif position in first_skip:
@@ -184,7 +196,7 @@ def measure(fleet: VirtualFleet, trace: Trace, scenario: SkipScenario) -> Figure
             bound=bound,
             waste=waste,
             generated=len(window),
-            skipped_draws=sum(1 for _, _, skipped in draws if skipped),
+            skipped_draws=sum(1 for _, _, skipped, _ in draws if skipped),
             skipped_prompts=len(first_skip),
             never_retried=len(set(first_skip) - retried),
             by_epoch={e: (v[0], v[1]) for e, v in sorted(by_epoch.items())},
@@ -204,6 +216,7 @@ def scenarios(args: argparse.Namespace) -> list[SkipScenario]:
         dataset=args.dataset,
         epochs=args.epochs,
         alpha=args.alpha,
+        exploration_rate=args.exploration_rate,
     )
     learning = (args.learning_share, args.learning_rate)
     return [
@@ -222,7 +235,8 @@ def report(args: argparse.Namespace, results: list[Figures]) -> list[str]:
         f"Beta({args.alpha:g}, {args.alpha:g}) (p = {p_u:.3f} before learning), W x C = "
         f"{args.workers} x {args.in_flight}, latency lognormal mean {args.latency:g} s (virtual), seed {args.seed}",
         f"  learning: {args.learning_share:g} of the prompts' failure rates shrink by {args.learning_rate:g} per "
-        "weight version; skip = data.prompt_skipping's defaults (GRESO's)",
+        "weight version; skip = data.prompt_skipping"
+        + (f" with exploration_rate {args.exploration_rate:g}" if args.exploration_rate is not None else "'s defaults (GRESO's)"),
         "",
     ]
     head = (
@@ -272,6 +286,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=8, help="W")
     parser.add_argument("--in-flight", type=int, default=64, help="C, groups in flight per worker")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--exploration-rate", type=float, default=None,
+        help="data.prompt_skipping.exploration_rate of the skip arms (default: the schema's, GRESO's 0.5)",
+    )
     parser.add_argument("--processes", type=int, default=2)
 
 
