@@ -96,8 +96,12 @@ class RunRecord:
     controllers: int = 0  # `refill run start` / `resume` processes it took
     facts: FaultFacts | None = None
     late: int = 0
+    #: why its facts could not be read, if they could not
+    unjudged: str | None = None
 
     def line(self) -> str:
+        if self.unjudged is not None:
+            return f"run {self.run_id}: could not be judged: {self.unjudged}"
         if self.facts is None:
             return f"run #{self.number}: never created ({self.controllers} tries)"
         f = self.facts
@@ -163,12 +167,16 @@ class Soak:
         self._say("soak", "faults over; the fleet back to its shape")
         self._ensure_shape()
         for record in self.report.runs:
-            if record.run_id is not None:
+            if record.run_id is None:
+                continue
+            try:
                 with self.ledger.session() as session:
                     record.facts = fault_facts(session, record.run_id)
                     record.late = int(session.scalar(
                         select(func.count()).where(RejectedResult.run_id == record.run_id, RejectedResult.reason == "late")
                     ) or 0)
+            except Exception as error:  # noqa: BLE001 - one run that cannot be judged must not hide the others
+                record.unjudged = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         return self.report
 
     def _drive(self, record: RunRecord, deadline: float) -> None:
