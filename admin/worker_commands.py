@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 from typing import Annotated
 
 import typer
@@ -24,11 +26,23 @@ def worker(
             "publish per task state change). REFILL_WORKER_EVENTS=1 does the same.",
         ),
     ] = False,
+    nproc: Annotated[
+        int | None,
+        typer.Option(
+            "--nproc",
+            min=1,
+            help="train only: run N ranks of one trainer on this machine (one per GPU), the "
+            "policy sharded over them with FSDP2. Across machines, run `refill worker train` "
+            "under torchrun instead.",
+        ),
+    ] = None,
 ) -> None:
     """Start a worker of one role on the fleet's broker (REFILL_BROKER_URL) and ledger
     (REFILL_DATABASE_URL)."""
     if role not in ROLES:
         fail(f"unknown role {role!r}; choose one of: {', '.join(ROLES)}", EXIT_BAD_INPUT)
+    if nproc is not None and role != "train":
+        fail(f"--nproc is for the train role (ranks of one trainer), not {role!r}", EXIT_BAD_INPUT)
     broker = os.environ.get("REFILL_BROKER_URL")
     database = os.environ.get("REFILL_DATABASE_URL")
     if not broker or broker.startswith("memory://"):
@@ -46,6 +60,8 @@ def worker(
         from_env = events_from_env()
     except ValueError as error:
         fail(str(error), EXIT_BAD_INPUT)
+    if role == "train":
+        _train_ranks(nproc, concurrency=concurrency, hostname=hostname, loglevel=loglevel, events=events)
     from refill.tasks.workers import worker_argv
 
     argv = worker_argv(role, concurrency=concurrency, hostname=hostname, loglevel=loglevel)
@@ -57,3 +73,42 @@ def worker(
     note(f"{role} worker: {ROLES[role].doc}")
     note(f"broker {redact_url(broker)}, ledger {redact_url(database)}")
     app.worker_main(argv)
+
+
+def _train_ranks(nproc: int | None, *, concurrency: int | None, hostname: str | None, loglevel: str, events: bool) -> None:
+    """Where this train worker stands among a trainer's ranks. Returns in the process that
+    runs the Celery worker (a single trainer, or rank 0, joined to its ranks); the launcher
+    of --nproc N and the ranks other than 0 end the command here."""
+    from refill.trainer.launch import launch, rank_env
+
+    try:
+        ranks = rank_env()
+    except ValueError as error:
+        fail(str(error), EXIT_BAD_INPUT)
+    if nproc is not None and nproc > 1:
+        if ranks is not None:
+            fail(
+                f"this process is already rank {ranks.rank} of {ranks.world_size} (torchrun's "
+                "environment): drop --nproc",
+                EXIT_BAD_INPUT,
+            )
+        argv = [sys.executable, "-m", "refill.admin.cli", "worker", "train", "--loglevel", loglevel]
+        argv += ["--concurrency", str(concurrency)] if concurrency else []
+        argv += ["--hostname", hostname] if hostname else []
+        argv += ["--events"] if events else []
+        note(f"train worker: {nproc} ranks of one trainer, the policy sharded over them (FSDP2)")
+        raise typer.Exit(launch(argv, nproc))
+    if ranks is None:
+        return
+    from refill.trainer.distributed import join_world
+
+    world = join_world(ranks)
+    if not ranks.leader:
+        from refill.trainer.ranks import follow
+
+        logging.basicConfig(
+            level=loglevel.upper(),
+            format=f"[%(asctime)s: %(levelname)s/rank {ranks.rank}] %(name)s: %(message)s",
+        )
+        raise typer.Exit(follow(world))
+    note(f"trainer rank 0 of {ranks.world_size}: this worker takes the steps, the other ranks follow")
