@@ -99,7 +99,7 @@ def stop(run_id: Annotated[int, typer.Argument(metavar="RUN")], database_url: Da
     from datetime import timedelta
 
     from refill.admin.ledger_access import open_ledger
-    from refill.models.context import utcnow
+    from refill.models.clock import ledger_now
     from refill.models.runs import request_stop, stop_run
     from refill.models.tables import Run, RunStatus
 
@@ -110,7 +110,9 @@ def stop(run_id: Annotated[int, typer.Argument(metavar="RUN")], database_url: Da
         if run is None:
             return "missing", False
         request_stop(session, run_id)
-        alive = run.controller_seen_at is not None and run.controller_seen_at > utcnow() - timedelta(seconds=30)
+        # controller_seen_at is written on the database's clock: compare on the same clock.
+        seen = run.controller_seen_at
+        alive = seen is not None and seen > ledger_now(session) - timedelta(seconds=30)
         return run.status, alive
 
     status, alive = ledger.transaction(ask)

@@ -1,0 +1,74 @@
+"""`refill run stop`: a run whose controller was seen within 30 s is asked to stop; otherwise the
+command stops it itself. "Seen" is judged on the database's clock, which wrote
+`runs.controller_seen_at`, so a skewed clock on the operator's machine changes nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from sqlalchemy import text
+from typer.testing import CliRunner
+
+from refill.admin.cli import app
+from refill.models.clock import set_clock_offset
+from refill.models.db import Ledger
+from refill.models.migrate import upgrade
+from tests.support.databases import temporary_pg_database
+from tests.support.driver import Driver
+
+
+@pytest.fixture(scope="module")
+def migrated_url() -> Iterator[str]:
+    """The CLI refuses a ledger that `refill db upgrade` did not make."""
+    with temporary_pg_database("refill_stop") as url:
+        upgrade(url)
+        yield url
+
+
+@pytest.fixture
+def migrated(migrated_url: str) -> Iterator[Ledger]:
+    ledger = Ledger(migrated_url)
+    yield ledger
+    ledger.dispose()
+
+
+@pytest.fixture
+def skewed_clock() -> Iterator[None]:
+    set_clock_offset(120.0)  # this process runs two minutes fast
+    yield
+    set_clock_offset(0.0)
+
+
+def _seen(d: Driver, ago_seconds: int) -> None:
+    d.ledger.transaction(
+        lambda s: s.execute(
+            text("UPDATE runs SET controller_seen_at = now() - make_interval(secs => :ago) WHERE id = :r"),
+            {"ago": ago_seconds, "r": d.run_id},
+        )
+    )
+
+
+def _stop(d: Driver) -> str:
+    result = CliRunner().invoke(app, ["run", "stop", str(d.run_id), "--database-url", d.ledger.url])
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_a_live_controller_is_asked_on_the_databases_clock(migrated, skewed_clock) -> None:  # type: ignore[no-untyped-def]
+    d = Driver(migrated)
+    d.admit()
+    _seen(d, 5)
+    assert "stop requested" in _stop(d)
+    assert d.run().status == "running" and d.run().stop_requested
+
+
+def test_a_run_without_a_live_controller_is_stopped_by_the_command(migrated, skewed_clock) -> None:  # type: ignore[no-untyped-def]
+    d = Driver(migrated)
+    d.admit()
+    d.relay()
+    _seen(d, 60)
+    out = _stop(d)
+    assert "stopped (no live controller)" in out
+    assert d.run().status == "stopped"
+    assert d.attempts(state="queued") == [] and d.attempts(state="cancelled")
