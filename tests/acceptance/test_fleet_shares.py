@@ -1,9 +1,11 @@
 """Several runs on one fleet (issue 18): two sim runs share one generation worker of real
 `celery worker` processes, and each trains steps at the rate its `run.share` gives it.
 
-The generation worker is the bottleneck by construction (four threads, a constant 0.5 s per
-message), so each run's rate is its share of the worker; the ledger, the consumer and the
-controllers need a small part of the machine's CPU, so the test holds on a loaded machine.
+The generation worker is the bottleneck by construction (four threads, a constant 1 s per
+message, one or two attempts per message), and each run always has work for it (two steps
+of four prompts ahead of its trainer), so each run's rate is its share of the worker; the ledger, the consumer
+and the controllers need a small part of the machine's CPU, so the test holds on a loaded
+machine.
 Rates are measured from the ledger's `trained_at` times, over a window in which both runs
 have work all along (they are far from their last step), after both trained a few steps.
 """
@@ -30,23 +32,26 @@ from refill.tasks.relay import QUEUED_PER_SHARE_ENV
 from tests.support.databases import temporary_pg_database
 from tests.support.fleet import Fleet, purge_prefix
 
-#: Attempts per unit of share on the broker: small against a run's backlog (two steps of 16
-#: prompts), so the windows decide the mix of the queue.
-QUEUED_PER_SHARE = 3
+#: Attempts per unit of share on the broker: small against a run's backlog (three steps of 4
+#: prompts), so the windows decide the mix of the queue. (A worker's thread runs a message's
+#: attempts together, so larger windows, sent as larger bundles, would make the worker fast
+#: enough that the runs' own pipelines, not the worker, set their pace.)
+QUEUED_PER_SHARE = 1
 
 SHARED: dict = {
     "generation": {
         "sim": {
             "zero_variance_fraction": 0.1,
-            "latency": {"distribution": "constant", "mean_seconds": 0.5},
+            "latency": {"distribution": "constant", "mean_seconds": 1.0},
         },
     },
-    "grpo": {"max_num_steps": 10_000, "max_num_epochs": None},
-    "async_rl": {"over_dispatch": {"enabled": False}},
+    # Small steps: many of them in the measuring window, so a step more or less moves a rate little.
+    "grpo": {"num_prompts_per_step": 4, "max_num_steps": 10_000, "max_num_epochs": None},
+    "async_rl": {"max_lookahead_versions": 2, "over_dispatch": {"enabled": False}},
 }
 
 WARM_UP_STEPS = 2
-WINDOW_SECONDS = 60.0
+WINDOW_SECONDS = 90.0
 
 
 @pytest.fixture(scope="module")
