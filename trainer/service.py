@@ -85,10 +85,16 @@ class TrainerService:
 
     def _train(self, batch: TrainBatch) -> str:
         config = RunConfig.model_validate(batch.config)
+        # The lease is kept from the claim on: building a trainer (importing torch, loading a
+        # large model onto its ranks) can take longer than the lease.
+        keeper = _TrainingLease(self.ledger, batch, self.trainer_id, config.infra.trainer_lease_seconds)
         trainer = self._trainers.get(batch.run_id)
         if trainer is None:
-            trainer = self._trainers[batch.run_id] = self.trainer_factory(config, batch.run_dir)
-        keeper = _TrainingLease(self.ledger, batch, self.trainer_id, config.infra.trainer_lease_seconds)
+            try:
+                trainer = self._trainers[batch.run_id] = self.trainer_factory(config, batch.run_dir)
+            except BaseException:
+                keeper.stop()
+                raise
         started = time.perf_counter()
         try:
             if trainer.version != batch.weight_version:
