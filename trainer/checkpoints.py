@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch.distributed import checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -117,13 +117,13 @@ def save(
     else:
         # Nothing to shard yet (no update since the start); DSD would take a step to make some.
         groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    with _single_process(world):
+    with _single_process(world), _as_error(f"saving checkpoint v{version}"):
         dcp.save(
             tensors,
-        checkpoint_id=str(tmp),
-        process_group=world.control if world else None,
-        no_dist=world is None,
-    )
+            checkpoint_id=str(tmp),
+            process_group=world.control if world else None,
+            no_dist=world is None,
+        )
     error: BaseException | None = None
     if leader:
         try:
@@ -159,6 +159,21 @@ def _single_process(world: World | None) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def _as_error(what: str) -> Iterator[None]:
+    """DCP's failures as an ordinary exception (DCP raises a BaseException, which nothing
+    short of the process would catch), naming each rank's cause. DCP raises it on every rank
+    alike, having gathered every rank's outcome."""
+    try:
+        yield
+    except CheckpointException as error:
+        causes = "; ".join(
+            f"rank {rank}: {type(cause).__name__}: {cause}"
+            for rank, (cause, _trace) in sorted(error.failures.items())
+        )
+        raise agreed(RuntimeError(f"{what} failed: {causes}")) from None
+
+
 def exists(run_dir: Path, version: int) -> bool:
     return (checkpoint_dir(run_dir, version) / STATE_FILE).is_file()
 
@@ -185,20 +200,23 @@ def load(
     of ranks wrote it); returns its non-tensor state (`rng` for `restore_rng`). With a `world`,
     every rank calls this together."""
     path = checkpoint_dir(run_dir, version)
+    # Every rank reads the same files: what they find wrong, they all find alike.
     if not exists(run_dir, version):
-        raise missing(run_dir, version)
+        raise agreed(missing(run_dir, version))
     meta = json.loads((path / STATE_FILE).read_text())
     if meta.get("format") != FORMAT or meta.get("version") != version:
-        raise ValueError(
-            f"{path} holds format {meta.get('format')} version {meta.get('version')}, not "
-            f"format {FORMAT} version {version}: the checkpoint directory was renamed, mixed "
-            "up, or written by another refill"
+        raise agreed(
+            ValueError(
+                f"{path} holds format {meta.get('format')} version {meta.get('version')}, not "
+                f"format {FORMAT} version {version}: the checkpoint directory was renamed, "
+                "mixed up, or written by another refill"
+            )
         )
     tensors: dict[str, Any] = {"model": get_model_state_dict(model)}
     if meta["optimizer_state"]:
         # Makes the state (a step at lr 0 on zero gradients) so that DCP has tensors to fill.
         tensors["optimizer"] = get_optimizer_state_dict(model, optimizer)["state"]
-    with _single_process(world):
+    with _single_process(world), _as_error(f"loading checkpoint {path}"):
         dcp.load(
             tensors,
             storage_reader=_SafeReader(str(path)),

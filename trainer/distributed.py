@@ -6,7 +6,8 @@ FSDP's all-gathers and reduce-scatters. The control group (always gloo, on the C
 small objects: rank 0's orders, each rank's outcome, metric sums, checkpoint plans. Between
 orders the other ranks wait on the c10d store, not in a collective: a trainer may stand idle
 for hours between steps, longer than any collective's timeout, and a store wait can time out
-and be retried harmlessly (it also fails at once when rank 0, which serves the store, dies).
+and be retried harmlessly. (When rank 0 dies the launcher, or torchrun, stops them; where rank 0
+serves the store itself, their wait fails at once too.)
 
 Every rank runs the same trainer code on the same orders (SPMD). Where a rank fails inside a
 stretch of collectives (`World.lockstep`), the others would wait for it forever, so it exits
@@ -72,7 +73,7 @@ class World:
             device = torch.device("cpu")
             dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
         control = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
-        # The store every rank already reaches (rank 0's, or torchrun's agent's).
+        # The store every rank already reaches (the launcher's, torchrun's agent's, or rank 0's).
         store = dist.PrefixStore(_ORDER_PREFIX, dist.distributed_c10d._get_default_store())
         mesh = init_device_mesh(device.type, (env.world_size,))
         world = cls(env, device, control, store, mesh)

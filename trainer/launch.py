@@ -16,7 +16,9 @@ can only hang in its next collective, holding a step's lease; dying instead lets
 expire and the step go to the next trainer. The children die with the launcher too (Linux's
 parent-death signal), so a launcher killed by SIGKILL leaves no rank behind.
 
-Nothing here imports torch: the launcher only starts and watches processes.
+Like torchrun's agent, the launcher serves the ranks' c10d store itself, on a port the system
+picks when the store binds it: a port chosen first and bound later by rank 0 could be taken by
+anything in between. torch is imported only for that, when the ranks start.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ import ctypes
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -79,14 +80,9 @@ def rank_env(environ: dict[str, str] | None = None) -> RankEnv | None:
     return RankEnv(rank=rank, local_rank=local, world_size=world)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
 def rank_environment(base: dict[str, str], rank: int, nproc: int, port: int) -> dict[str, str]:
-    """The environment of local rank `rank` of `nproc` on this machine (torchrun's names)."""
+    """The environment of local rank `rank` of `nproc` on this machine (torchrun's names),
+    the store at `port` being the launcher's."""
     env = dict(base)
     env.update(
         RANK=str(rank),
@@ -95,6 +91,8 @@ def rank_environment(base: dict[str, str], rank: int, nproc: int, port: int) -> 
         LOCAL_WORLD_SIZE=str(nproc),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
+        # Every rank is a client of the launcher's store (torchrun's agent store, by name).
+        TORCHELASTIC_USE_AGENT_STORE="True",
     )
     # N ranks on the CPU each taking every core would run N times over-subscribed (torchrun
     # sets 1 for the same reason); an explicit setting wins.
@@ -114,7 +112,10 @@ class RankGroup:
     def __init__(self, argv: Sequence[str], nproc: int, environ: dict[str, str] | None = None) -> None:
         if nproc < 2:
             raise ValueError(f"--nproc {nproc}: a trainer of several ranks needs at least 2")
-        port = free_port()
+        from torch.distributed import TCPStore
+
+        self.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        port = int(self.store.port)
         base = dict(os.environ if environ is None else environ)
         self.processes: list[subprocess.Popen[bytes]] = []
         for rank in range(nproc):

@@ -108,7 +108,8 @@ def follow(world: World) -> int:
         try:
             order: Order = world.receive()
         except dist.DistError as error:
-            # Rank 0 serves the store the orders come through: it stopped, or died.
+            # The store the orders come through is gone: its server (rank 0, or the launcher
+            # or torchrun's agent) stopped or died.
             log.info("trainer rank %d: rank 0 is gone (%s); stopping", world.rank, error)
             return 0
         trainer = trainers.get(order.run_dir)

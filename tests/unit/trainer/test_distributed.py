@@ -30,7 +30,8 @@ STEPS = 2
 
 def _config(settings: RunConfig) -> RunConfig:
     """The fixture's tiny model, made to show any difference: mini-batches (2 updates per
-    pass, 2 passes), micro-batches of a few sequences, importance correction, a KL term; and
+    pass, 2 passes), micro-batches of a few sequences, importance correction, a KL term, the
+ranks' activation checkpointing; and
     Adam made linear (eps above the gradients' scale, as in test_trainer_grpo's split test) so
     that float noise stays noise."""
     settings.optimizer.groups_per_update = 2
@@ -41,6 +42,8 @@ def _config(settings: RunConfig) -> RunConfig:
     settings.optimizer.warmup_steps = 0
     settings.loss.use_importance_sampling_correction = True
     settings.loss.reference_policy_kl_penalty = 0.05
+    # Recomputing the blocks' activations in the backward pass changes no number.
+    settings.distributed.activation_checkpointing = True
     return settings
 
 
@@ -162,6 +165,37 @@ def test_two_ranks_train_as_one_process_and_resume_exactly(settings, tmp_path, m
     assert alone.optimizer.state_dict()["state"][0]["step"] == 4
     alone.train_step(1, step_groups(1))
     assert _worst(_params(alone.model), ranks["straight"]) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices (NCCL, a rank per GPU)")
+def test_two_gpus_train_in_bf16_over_fp32_master_weights(settings, tmp_path, monkeypatch) -> None:
+    """The GPU path: NCCL, a rank per GPU, bf16 parameters and compute with fp32 reductions
+    and fp32 master weights (the optimizer's), against one GPU in full precision."""
+    monkeypatch.chdir(REPO)
+    config = _config(settings)
+    config.distributed.mixed_precision = "bf16"
+    ranks = _run_ranks(tmp_path, config)
+
+    single = GRPOTrainer(config, tmp_path / "single")
+    single.restore(0)
+    expected = [single.train_step(0, step_groups(0))]
+    single.checkpoint(1)
+    expected.append(single.train_step(1, step_groups(1)))
+    for got, want in zip(ranks["metrics"][:STEPS], expected, strict=True):
+        # bf16 keeps about 3 significant digits.
+        for key in ("loss", "grad_norm", "entropy"):
+            assert got[key] == pytest.approx(want[key], rel=5e-2, abs=1e-3), key
+        assert got["tokens"] == want["tokens"] and got["updates"] == want["updates"]
+        assert all(got[f"rank{r}_peak_memory_bytes"] > 0 for r in (0, 1))
+    straight = {k: v.cpu() for k, v in ranks["straight"].items()}
+    assert _worst(straight, {k: v.cpu() for k, v in _params(single.model).items()}) < 1e-2
+    # Published in model.dtype (float32 here), from the fp32 master weights.
+    published = load_file(str(weights_dir(tmp_path / "ranks", 1) / "model.safetensors"))
+    assert all(t.dtype == torch.float32 for t in published.values())
+    # The resume starts from the master weights and optimizer state: the same step again
+    # (GPU kernels add in their own order, so within float noise rather than bit for bit).
+    assert _worst(ranks["resumed"], ranks["straight"]) < 1e-4
 
 
 if __name__ == "__main__":
