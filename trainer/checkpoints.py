@@ -35,6 +35,7 @@ from torch.distributed import checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -50,6 +51,9 @@ from refill.trainer.weights import (
 )
 
 STATE_FILE = "trainer_state.json"
+#: A checkpoint written before DCP (format 1): optimizer (by parameter position), scheduler and
+#: RNG, torch.save'd; the model was the published version alone.
+LEGACY_FILE = "trainer_state.pt"
 #: DCP's metadata file in a checkpoint directory (torch's `_metadata_fn`).
 METADATA_FILE = ".metadata"
 FORMAT = 2
@@ -69,12 +73,19 @@ def capture_rng() -> dict[str, Any]:
 
 
 def restore_rng(state: dict[str, Any]) -> None:
-    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    torch.set_rng_state(_byte_tensor(state["torch"]))
     random.setstate(_as_tuples(state["python"]))
     kind, keys, pos, has_gauss, gauss = state["numpy"]
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+        torch.cuda.set_rng_state_all([_byte_tensor(s) for s in state["cuda"]])
+
+
+def _byte_tensor(value: Any) -> torch.Tensor:
+    # A list of bytes from JSON, or the tensor itself from a format-1 checkpoint.
+    if isinstance(value, torch.Tensor):
+        return value
+    return torch.tensor(value, dtype=torch.uint8)
 
 
 def _as_tuples(value: Any) -> Any:
@@ -175,7 +186,8 @@ def _as_error(what: str) -> Iterator[None]:
 
 
 def exists(run_dir: Path, version: int) -> bool:
-    return (checkpoint_dir(run_dir, version) / STATE_FILE).is_file()
+    path = checkpoint_dir(run_dir, version)
+    return (path / STATE_FILE).is_file() or (path / LEGACY_FILE).is_file()
 
 
 def missing(run_dir: Path, version: int) -> FileNotFoundError:
@@ -203,6 +215,8 @@ def load(
     # Every rank reads the same files: what they find wrong, they all find alike.
     if not exists(run_dir, version):
         raise agreed(missing(run_dir, version))
+    if not (path / STATE_FILE).is_file():
+        return _load_legacy(path / LEGACY_FILE, version, model, optimizer, scheduler)
     meta = json.loads((path / STATE_FILE).read_text())
     if meta.get("format") != FORMAT or meta.get("version") != version:
         raise agreed(
@@ -234,6 +248,38 @@ def load(
             group.update(saved)
     scheduler.load_state_dict(meta["scheduler"])
     return meta
+
+
+def _load_legacy(
+    file: Path, version: int, model: Any, optimizer: torch.optim.Optimizer, scheduler: Any
+) -> dict[str, Any]:
+    """A format-1 checkpoint, so that a run checkpointed before DCP resumes: the model is the
+    published version (`restore` loaded it), the optimizer state is taken whole by every rank
+    and sharded as the model is."""
+    state = torch.load(file, map_location="cpu", weights_only=True)
+    if state.get("version") != version:
+        raise agreed(
+            ValueError(
+                f"checkpoint v{version:06d} says it holds version {state.get('version')}; "
+                "the checkpoint directory was renamed or mixed up"
+            )
+        )
+    saved = state["optimizer"]
+    # The old optimizer took the trainable parameters in model order: position i is a name.
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    groups = [{**g, "params": [names[i] for i in g["params"]]} for g in saved["param_groups"]]
+    if saved["state"]:
+        set_optimizer_state_dict(
+            model,
+            optimizer,
+            {"state": {names[i]: s for i, s in saved["state"].items()}, "param_groups": groups},
+            options=StateDictOptions(full_state_dict=True),
+        )
+    else:
+        for group, old in zip(optimizer.param_groups, groups, strict=True):
+            group.update({k: v for k, v in old.items() if k != "params"})
+    scheduler.load_state_dict(state["scheduler"])
+    return {"format": 1, "version": version, "rng": state["rng"]}
 
 
 def _tuples_back(group: dict[str, Any]) -> dict[str, Any]:

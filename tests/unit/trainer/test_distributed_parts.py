@@ -199,3 +199,41 @@ def test_a_checkpoint_whose_metadata_names_other_code_is_refused(settings, tmp_p
     # Nothing was unpickled: the name is refused before anything is called.
     with pytest.raises(pickle.UnpicklingError, match="builtins.print"):
         checkpoints._MetadataUnpickler(io.BytesIO(metadata.read_bytes())).load()
+
+
+def test_a_checkpoint_from_before_dcp_still_resumes_exactly(settings, tmp_path) -> None:
+    import random
+    import shutil
+
+    import numpy as np
+
+    straight = GRPOTrainer(settings, tmp_path / "straight")
+    straight.restore(0)
+    straight.train_step(0, make_groups(0, seed=3))
+    straight.train_step(1, make_groups(1, seed=4))
+
+    old = GRPOTrainer(settings, tmp_path / "old")
+    old.restore(0)
+    old.train_step(0, make_groups(0, seed=3))
+    old.publish(1)
+    # What refill wrote before DCP: trainer_state.pt, the optimizer by parameter position.
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {
+        "version": 1,
+        "optimizer": old.optimizer.state_dict(),
+        "scheduler": old.scheduler.state_dict(),
+        "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)]},
+    }
+    folder = checkpoint_dir(tmp_path / "old", 1)
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    torch.save(state, folder / checkpoints.LEGACY_FILE)
+    del old
+
+    resumed = GRPOTrainer(settings, tmp_path / "old")
+    resumed.restore(1)
+    resumed.train_step(1, make_groups(1, seed=4))
+    a, b = straight.model.state_dict(), resumed.model.state_dict()
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
+    assert int(resumed.optimizer.state_dict()["state"][0]["step"]) == 2
