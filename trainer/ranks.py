@@ -26,6 +26,7 @@ import torch.distributed as dist
 from refill.config import RunConfig
 from refill.trainer.distributed import World
 from refill.trainer.grpo import GRPOTrainer
+from refill.trainer.launch import EXIT_RANK_FAILED
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,9 @@ class RankTrainer:
         self.local.version = value
 
     def _everywhere(self, method: str, *args: Any) -> Any:
-        self.world.post(Order(self.run_dir, self.config, method, args, self.local.version))
+        # An order that cannot reach every rank leaves a trainer short of one: stop it.
+        with self.world.lockstep(f"handing {method} to the other ranks"):
+            self.world.post(Order(self.run_dir, self.config, method, args, self.local.version))
         return run_order(self.local, self.world, method, args)
 
     def restore(self, version: int) -> None:
@@ -107,11 +110,14 @@ def follow(world: World) -> int:
     while True:
         try:
             order: Order = world.receive()
-        except dist.DistError as error:
+        except dist.DistNetworkError as error:
             # The store the orders come through is gone: its server (rank 0, or the launcher
             # or torchrun's agent) stopped or died.
             log.info("trainer rank %d: rank 0 is gone (%s); stopping", world.rank, error)
             return 0
+        except Exception:
+            log.critical("trainer rank %d: rank 0's order did not arrive; stopping", world.rank, exc_info=True)
+            return EXIT_RANK_FAILED
         trainer = trainers.get(order.run_dir)
         if trainer is None:
             with world.lockstep(f"opening the trainer of {order.run_dir}"):
