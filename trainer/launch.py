@@ -33,6 +33,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -100,10 +101,20 @@ def rank_environment(base: dict[str, str], rank: int, nproc: int, port: int) -> 
     return env
 
 
-def _die_with_parent() -> None:
-    # Runs in the child between fork and exec: only async-signal-safe work belongs here.
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+def _death_signal() -> Any:
+    """What makes a child die with its parent (Linux's prctl), looked up in the parent: the
+    child, between fork and exec, only calls it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+    def die_with_parent() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+    return die_with_parent
 
 
 class RankGroup:
@@ -117,6 +128,7 @@ class RankGroup:
         self.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         port = int(self.store.port)
         base = dict(os.environ if environ is None else environ)
+        die_with_parent = _death_signal()
         self.processes: list[subprocess.Popen[bytes]] = []
         for rank in range(nproc):
             self.processes.append(
@@ -126,7 +138,7 @@ class RankGroup:
                     # Their own session: a Ctrl-C in the terminal reaches the launcher alone,
                     # which stops rank 0 first (a warm shutdown needs the other ranks).
                     start_new_session=True,
-                    preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+                    preexec_fn=die_with_parent,
                 )
             )
             print(f"refill: trainer rank {rank} of {nproc} is pid {self.processes[-1].pid}", flush=True)

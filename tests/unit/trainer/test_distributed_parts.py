@@ -97,6 +97,37 @@ def test_a_rank_that_exits_cleanly_still_stops_the_trainer() -> None:
     assert all(p.poll() is not None for p in group.processes)
 
 
+def test_no_rank_outlives_a_killed_launcher() -> None:
+    import os
+    import re
+
+    code = (
+        "import sys; from refill.trainer.launch import launch; "
+        "sys.exit(launch([sys.executable, '-c', 'import time; time.sleep(60)'], 2))"
+    )
+    launcher = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    pids = []
+    while len(pids) < 2:
+        line = launcher.stdout.readline()
+        assert line, "the launcher ended before announcing its ranks"
+        pids += [int(p) for p in re.findall(r"is pid (\d+)", line)]
+    launcher.kill()
+    launcher.wait(10)
+
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        with open(f"/proc/{pid}/stat") as stat:  # a zombie waits only for its reaper
+            return not stat.read().split(") ", 1)[1].startswith("Z")
+
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(p) for p in pids)
+
+
 def test_one_rank_is_no_group() -> None:
     with pytest.raises(ValueError, match="at least 2"):
         RankGroup([sys.executable, "-c", "pass"], 1)
