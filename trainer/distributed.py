@@ -126,9 +126,6 @@ class World:
         dist.all_reduce(tensor, group=self.control)
         return tensor.tolist()
 
-    def barrier(self) -> None:
-        dist.barrier(group=self.control)
-
     def agree(self, outcome: BaseException | None, what: str) -> None:
         """Every rank says whether its part of `what` failed; a rank whose own part went well
         raises if another's did not, so that all ranks raise or none does (`agreed`). The

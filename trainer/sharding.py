@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from refill.model_loading import load_model, quiet_transformers, torch_dtype
-from refill.trainer.distributed import World
+from refill.trainer.distributed import World, agreed
 from refill.trainer.settings import TrainerConfig
 
 
@@ -55,23 +55,30 @@ def blocks(model: Any) -> list[torch.nn.Module]:
     names = set(getattr(model, "_no_split_modules", None) or ())
     found = [m for m in model.modules() if type(m).__name__ in names]
     if not found:
-        raise ValueError(
-            f"{type(model).__name__} declares no transformer block class (_no_split_modules), "
-            "so it cannot be sharded block by block; use a Hugging Face causal LM that does"
+        # Every rank builds the same model class, so every rank refuses it alike.
+        raise agreed(
+            ValueError(
+                f"{type(model).__name__} declares no transformer block class "
+                "(_no_split_modules), so it cannot be sharded block by block; use a Hugging "
+                "Face causal LM that does"
+            )
         )
     return found
 
 
-def shard(model: Any, world: World, settings: TrainerConfig) -> Any:
+def shard(model: Any, world: World, settings: TrainerConfig, *, frozen: bool = False) -> Any:
     """`fully_shard` per block, then the root; gradients summed over the ranks."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy()
     if mixed_precision(settings, world.device):
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    units = [*blocks(model), model]
-    for unit in units:
-        fully_shard(unit, mesh=world.mesh, mp_policy=policy)
+    units = [*blocks(model), model]  # found before sharding renames their classes
+    for block in units[:-1]:
+        fully_shard(block, mesh=world.mesh, mp_policy=policy)
+    # FSDP keeps the root's parameters (embeddings, head) whole after a forward pass, for the
+    # backward pass that follows at once; a frozen model (the KL reference) has none.
+    fully_shard(model, mesh=world.mesh, mp_policy=policy, reshard_after_forward=True if frozen else None)
     for unit in units:
         # A factor of 1 turns FSDP's mean into a sum; forcing a plain SUM keeps it off
         # PREMUL_SUM, which gloo lacks.
@@ -110,7 +117,7 @@ def build(path: Path, settings: TrainerConfig, world: World, *, trainable: bool 
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if not trainable:
         model.requires_grad_(False)
-    shard(model, world, settings)
+    shard(model, world, settings, frozen=not trainable)
     with world.lockstep("loading the model onto the ranks"):
         model.to_empty(device=world.device)
         set_model_state_dict(
