@@ -12,7 +12,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from refill.admin.snapshot import count_by, get_run
-from refill.config import from_snapshot
+from refill.config import ConfigError, from_snapshot
 from refill.models.tables import Attempt, AttemptState, Run, RunStatus, Step, StepStatus
 
 
@@ -149,9 +149,14 @@ def in_flight_by_run(session: Session, run_ids: list[int] | None = None) -> dict
     return out
 
 
-def run_share(config: Any) -> float:
-    """A run's `run.share` (its weight on a shared fleet), from its stored config."""
-    return from_snapshot(config).run.share
+def run_share(config: Any) -> float | None:
+    """A run's `run.share` (its weight on a shared fleet), from its stored config; None when
+    that config no longer validates (`refill run show RUN` names the problem), so that one old
+    run does not hide the others from `refill runs`."""
+    try:
+        return from_snapshot(config).run.share
+    except ConfigError:
+        return None
 
 
 def fleet_shares(session: Session, *, run_id: int | None = None) -> list[dict[str, Any]]:
@@ -163,7 +168,7 @@ def fleet_shares(session: Session, *, run_id: int | None = None) -> list[dict[st
     runs = session.execute(query).all()
     flight = in_flight_by_run(session, [r.id for r in runs])
     shares = {r.id: run_share(r.config) for r in runs}
-    total_share = sum(shares.values())
+    total_share = sum(share for share in shares.values() if share is not None)
     total_running = sum(f["running"] for f in flight.values())
     rows = []
     for r in runs:
@@ -175,7 +180,7 @@ def fleet_shares(session: Session, *, run_id: int | None = None) -> list[dict[st
                 "run_id": r.id,
                 "name": r.name,
                 "share": shares[r.id],
-                "entitled_fraction": shares[r.id] / total_share if total_share else None,
+                "entitled_fraction": shares[r.id] / total_share if total_share and shares[r.id] is not None else None,
                 "queued": counts["queued"],
                 "running": counts["running"],
                 "running_fraction": counts["running"] / total_running if total_running else None,

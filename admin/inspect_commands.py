@@ -85,7 +85,7 @@ def runs(
                 "steps": f"{r['trained_steps']}/{r['max_num_steps']}",
                 "version": r["weight_version"],
                 "batch": f"{r['num_prompts_per_step']}x{r['group_size']}",
-                "share": f"{r['share']:g}",
+                "share": "?" if r["share"] is None else f"{r['share']:g}",
                 "in flight": _in_flight(r) or None,
                 "created (UTC)": when(r["created_at"]),
                 "seconds": None if r["seconds"] is None else round(r["seconds"], 1),
@@ -488,7 +488,7 @@ def workers(
                 {
                     "run": r["run_id"],
                     "name": r["name"],
-                    "share": f"{r['share']:g}",
+                    "share": "?" if r["share"] is None else f"{r['share']:g}",
                     "entitled": _percent(r["entitled_fraction"]),
                     "running": r["running"],
                     "queued": r["queued"],

@@ -186,3 +186,17 @@ def test_refill_runs_and_workers_show_them(tmp_path) -> None:
     assert {r["run_id"]: r["queued"] for r in as_json["runs"]} == {a.run_id: 3, a.run_id + 1: 2}
     listing = runner.invoke(app, ["runs", "--database-url", url])
     assert listing.exit_code == 0 and "3 running + 3 queued" in listing.stdout
+
+
+def test_a_run_whose_stored_config_no_longer_validates_is_still_listed(ledger) -> None:
+    from sqlalchemy import update
+
+    from refill.models.tables import Run
+    from tests.support.driver import BASE_CONFIG, merged
+
+    d = Driver(ledger, check=False)
+    broken = merged(BASE_CONFIG, {"run": {"share": "a lot"}})
+    ledger.transaction(lambda s: s.execute(update(Run).where(Run.id == d.run_id).values(config=broken)))
+    with read_snapshot(ledger) as session:
+        (row,) = [r for r in list_runs(session) if r["run_id"] == d.run_id]
+    assert row["share"] is None and row["status"] == "running"
