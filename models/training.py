@@ -24,6 +24,7 @@ from sqlalchemy.orm import Session
 from refill.models import decisions, rollout_codec
 from refill.models.admission import admit
 from refill.models.barrier import queue_training
+from refill.models.clock import ledger_now
 from refill.models.context import RunContext
 from refill.models.metrics import seconds_between
 from refill.models.payload import PayloadRef, TrainGroup
@@ -214,7 +215,11 @@ def training_failed(
     return ctx.outbox_ids
 
 
-def extend_training_lease(session: Session, run_id: int, step: int, trainer_id: str, seconds: float, now: datetime) -> bool:
+def extend_training_lease(
+    session: Session, run_id: int, step: int, trainer_id: str, seconds: float, now: datetime | None = None
+) -> bool:
+    """Renew the trainer's lease on the database's clock (`now` only where a test sets it)."""
+    now = ledger_now(session) if now is None else now
     return bool(
         session.execute(
             update(Step)

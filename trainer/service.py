@@ -16,7 +16,6 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from refill.config import RunConfig
-from refill.models.context import utcnow
 from refill.models.db import Ledger
 from refill.models.payload import TrainGroup
 from refill.models.training import (
@@ -77,7 +76,7 @@ class TrainerService:
     def train(self, run_id: int, step: int) -> str:
         with self._lock:  # one step at a time per process: the model is shared state
             batch = self.ledger.transaction(
-                lambda s: claim_training(s, run_id, step, self.trainer_id, utcnow()), what="claim step"
+                lambda s: claim_training(s, run_id, step, self.trainer_id), what="claim step"
             )
             if batch is None:
                 return "skipped"
@@ -133,7 +132,7 @@ class TrainerService:
         metrics = dict(metrics)
         metrics["train_seconds"] = time.perf_counter() - started
         outbox = self.ledger.transaction(
-            lambda s: finish_training(s, batch.run_id, batch.step, self.trainer_id, path, metrics, utcnow()),
+            lambda s: finish_training(s, batch.run_id, batch.step, self.trainer_id, path, metrics),
             what="finish step",
         )
         if outbox is None:
@@ -169,7 +168,7 @@ class _TrainingLease:
                 try:
                     ledger.transaction(
                         lambda s: extend_training_lease(
-                            s, batch.run_id, batch.step, trainer_id, lease_seconds, utcnow()
+                            s, batch.run_id, batch.step, trainer_id, lease_seconds
                         )
                     )
                 except Exception as error:  # noqa: BLE001 - retried at the next beat
