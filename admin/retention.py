@@ -6,6 +6,9 @@ What goes, and why nothing that reads the ledger afterwards misses it:
   completions' texts (`groups.completion_texts`), emptied in place. Only the trainer reads them,
   and a finished run trains no more; the group rows stay, with the rewards, weight version,
   step and tokens that the views of migration 0002 and `refill check` read.
+- **stored payloads**: the files of the claim check (`<run_dir>/payloads`,
+  `refill.models.payload_store`), the same data for groups committed by reference; the whole
+  store goes (`refill check` does not look for a finished run's store once it is gone).
 - **rejected results**: `rejected_results` rows (duplicates, late results, malformed bodies):
   a record of what had no effect; `refill run show` and `refill slot` count them, nothing
   checks them.
@@ -25,6 +28,7 @@ from sqlalchemy import String, cast, delete, func, select, update
 from sqlalchemy.orm import Session
 
 from refill.models.db import Ledger
+from refill.models.payload_store import FileStore
 from refill.models.tables import Group, Outbox, RejectedResult, Run, RunStatus
 
 #: rows per transaction
@@ -70,7 +74,8 @@ def _payload_left(run_id: int):  # type: ignore[no-untyped-def]
 
 def measure(session: Session, run_id: int) -> list[Garbage]:
     """What `collect` would remove of a finished run, per kind."""
-    finished_run(session, run_id)
+    run = finished_run(session, run_id)
+    stored_files, stored_bytes = FileStore.of_run(run.run_dir).measure()
     payload_rows, payload_bytes = session.execute(
         select(
             func.count(),
@@ -91,6 +96,7 @@ def measure(session: Session, run_id: int) -> list[Garbage]:
     ).one()
     return [
         Garbage("payloads", int(payload_rows), int(payload_bytes)),
+        Garbage("stored payloads", stored_files, stored_bytes),
         Garbage("rejected results", int(rejected_rows), int(rejected_bytes)),
         Garbage("relayed outbox rows", int(outbox_rows), int(outbox_bytes)),
     ]
@@ -100,6 +106,8 @@ def collect(ledger: Ledger, run_id: int) -> list[Garbage]:
     """Remove a finished run's bulky rows (see the module's docstring); returns what went."""
     before = ledger.transaction(lambda s: measure(s, run_id), what="measure garbage")
     payloads = _in_chunks(ledger, lambda s: _empty_payloads(s, run_id))
+    run_dir = ledger.transaction(lambda s: finished_run(s, run_id).run_dir, what="find the run's directory")
+    stored = FileStore.of_run(run_dir).remove_all()
     rejected = _in_chunks(ledger, lambda s: _delete_ids(s, run_id, RejectedResult, RejectedResult.run_id == run_id))
     relayed = _in_chunks(
         ledger, lambda s: _delete_ids(s, run_id, Outbox, Outbox.run_id == run_id, Outbox.sent_at.is_not(None))
@@ -107,6 +115,7 @@ def collect(ledger: Ledger, run_id: int) -> list[Garbage]:
     sizes = {g.kind: g.bytes for g in before}
     return [
         Garbage("payloads", payloads, sizes["payloads"]),
+        Garbage("stored payloads", stored, sizes["stored payloads"]),
         Garbage("rejected results", rejected, sizes["rejected results"]),
         Garbage("relayed outbox rows", relayed, sizes["relayed outbox rows"]),
     ]

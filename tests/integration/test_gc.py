@@ -94,12 +94,15 @@ def test_gc_removes_the_bulk_and_keeps_what_the_views_and_checks_read(migrated) 
     done = cli(url, "gc", str(d.run_id), "--yes", "--json")
     assert done.exit_code == 0, done.output
     removed = {g["kind"]: g["rows"] for g in json.loads(done.stdout)["removed"]}
-    assert removed == {"payloads": 8, "rejected results": 1, "relayed outbox rows": planned["relayed outbox rows"].rows}
+    assert removed == {
+        "payloads": 8, "stored payloads": 0, "rejected results": 1,
+        "relayed outbox rows": planned["relayed outbox rows"].rows,
+    }
     with ledger.session() as session:
         assert session.scalars(select(Group.rollout).where(Group.run_id == d.run_id)).all() == [b""] * 8
         assert session.scalars(select(RejectedResult).where(RejectedResult.run_id == d.run_id)).all() == []
         assert session.scalars(select(Outbox).where(Outbox.run_id == d.run_id)).all() == []
-    assert [g.rows for g in ledger.transaction(lambda s: measure(s, d.run_id))] == [0, 0, 0]
+    assert [g.rows for g in ledger.transaction(lambda s: measure(s, d.run_id))] == [0, 0, 0, 0]
     assert collect(ledger, d.run_id)[0].rows == 0  # a second gc finds nothing
 
     assert views(ledger) == before
@@ -122,3 +125,24 @@ def test_gc_refuses_a_run_that_may_still_train(migrated) -> None:
     assert len(running.outbox()) > 0  # nothing went
     unknown = cli(url, "gc", "999")
     assert unknown.exit_code == 2 and "there is no run 999" in unknown.output
+
+
+def test_gc_removes_a_finished_runs_stored_payloads(migrated) -> None:
+    """The claim check's files (`<run_dir>/payloads`) are the same data as `groups.rollout`:
+    gc removes the store, and `refill check` still holds on the finished run."""
+    from refill.models.payload_store import FileStore
+
+    url, ledger = migrated
+    d = finished_run(ledger)
+    store = FileStore.of_run(d.run().run_dir)
+    for attempt_id in [g.attempt_id for g in d.groups()][:2]:
+        store.put(attempt_id, b"stored payload of attempt %d" % attempt_id)
+    planned = {g.kind: g for g in ledger.transaction(lambda s: measure(s, d.run_id))}
+    assert (planned["stored payloads"].rows, planned["stored payloads"].bytes > 0) == (2, True)
+    dry = cli(url, "gc", str(d.run_id))
+    assert "would remove 2 stored payloads" in dry.stdout and store.root.exists()
+
+    removed = {g.kind: g.rows for g in collect(ledger, d.run_id)}
+    assert removed["stored payloads"] == 2 and not store.root.exists()
+    check = cli(url, "check", str(d.run_id))
+    assert check.exit_code == 0, check.stdout
