@@ -165,7 +165,11 @@ class World:
             os._exit(EXIT_RANK_FAILED)
 
     def close(self) -> None:
+        """Leave the world together: a rank that tears its process group down while a peer's
+        last collective is still sending to it (a gather's final bytes) aborts in gloo
+        ("terminate called without an active exception"), so every rank waits for all first."""
         if dist.is_initialized():
+            dist.barrier(group=self.control)
             dist.destroy_process_group()
 
 
