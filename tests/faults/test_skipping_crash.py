@@ -36,9 +36,13 @@ def test_sigkill_the_controller_of_a_skipping_run_then_resume(fleet, fault_ledge
         name="skipping-controller-kill",
     )
     started = time.monotonic()
-    controller = fleet.spawn_cli("controller", "run", "start", str(config), "--quiet")
+    # A log of its own: `controller`'s is appended to by test_crashes' scenario, and the first
+    # "run N created" there is that run, not this one.
+    controller = fleet.spawn_cli("skipping-controller", "run", "start", str(config), "--quiet")
     try:
-        found = wait_for(lambda: re.search(r"run (\d+) created", fleet.log("controller")), 90, "run created")
+        found = wait_for(
+            lambda: re.search(r"run (\d+) created", fleet.log("skipping-controller")), 90, "run created"
+        )
         run_id = int(found.group(1))
         wait_for(
             lambda: fault_ledger.transaction(lambda s: s.get(Run, run_id).loader_epoch) >= 2, 90, "a second epoch"
