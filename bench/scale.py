@@ -54,7 +54,6 @@ from bench.virtual_fleet import RefillPolicy, Scenario, VirtualFleet  # noqa: E4
 from refill.models.admission import admit_steps  # noqa: E402
 from refill.models.migrate import upgrade  # noqa: E402
 from refill.models.outbox import prune_relayed  # noqa: E402
-from refill.models.tables import RunStatus  # noqa: E402
 from refill.tasks.backends.sim import Latency  # noqa: E402
 from refill.tasks.relay import PRUNE_EVERY_SECONDS, RELAYED_KEPT_SECONDS  # noqa: E402
 
@@ -173,30 +172,11 @@ class ScaleFleet(VirtualFleet):
         while self.events and len(self.tenths) < 10:
             when, _, kind, payload = heapq.heappop(self.events)
             self.now = when
-            if kind == "done":
-                self.free += 1
-                if payload.attempt_id in self.skipped:
-                    continue
-                self.inbox.append(payload)
-                if self.consume_at is None:
-                    self.consume_at = self.now + self.batch_window
-                    self.schedule(self.consume_at, "consume")
-                self.start_workers()
-            elif kind == "consume":
-                self.consume_at = None
-                self.consume()
-            elif kind == "train":
-                self.train(payload)
-            elif kind == "trained":
-                self.trained(payload)
-                if self.status() != RunStatus.RUNNING.value:
-                    raise RuntimeError(
-                        f"the run ended after {self.results} results, before {self.target}: "
-                        "raise the scenario's steps"
-                    )
-            elif kind == "reap":
-                self.reap()
-                self.schedule(self.now + self.reap_every, "reap")
+            if not self.step_event(kind, payload):
+                raise RuntimeError(
+                    f"the run ended after {self.results} results, before {self.target}: "
+                    "raise the scenario's steps"
+                )
         if len(self.tenths) < 10:
             raise RuntimeError(f"the fleet ran out of work after {self.results} results")
 

@@ -409,30 +409,35 @@ class VirtualFleet:
             self.now = when
             if self.now > self.max_virtual_seconds:
                 raise RuntimeError(f"the run did not finish within {self.max_virtual_seconds} virtual seconds")
-            if kind == "done":
-                self.free += 1
-                if payload.attempt_id in self.skipped:
-                    continue
-                self.inbox.append(payload)
-                if self.consume_at is None:
-                    self.consume_at = self.now + self.batch_window
-                    self.schedule(self.consume_at, "consume")
-                self.start_workers()
-            elif kind == "consume":
-                self.consume_at = None
-                self.consume()
-            elif kind == "train":
-                self.train(payload)
-            elif kind == "trained":
-                self.trained(payload)
-                if self.status() != RunStatus.RUNNING.value:
-                    break
-            elif kind == "reap":
-                self.reap()
-                self.schedule(self.now + self.reap_every, "reap")
+            if not self.step_event(kind, payload):
+                break
         trace = self.trace()
         trace.wall_seconds = time.perf_counter() - began
         return trace
+
+    def step_event(self, kind: str, payload: Any) -> bool:
+        """Apply one event at `self.now`; False once a trained step has ended the run."""
+        if kind == "done":
+            self.free += 1
+            if payload.attempt_id in self.skipped:
+                return True
+            self.inbox.append(payload)
+            if self.consume_at is None:
+                self.consume_at = self.now + self.batch_window
+                self.schedule(self.consume_at, "consume")
+            self.start_workers()
+        elif kind == "consume":
+            self.consume_at = None
+            self.consume()
+        elif kind == "train":
+            self.train(payload)
+        elif kind == "trained":
+            self.trained(payload)
+            return self.status() == RunStatus.RUNNING.value
+        elif kind == "reap":
+            self.reap()
+            self.schedule(self.now + self.reap_every, "reap")
+        return True
 
     def status(self) -> str:
         return self.tx("read", lambda s: s.scalar(select(Run.status).where(Run.id == self.run_id)))
