@@ -148,8 +148,13 @@ def test_a_controller_taking_over_after_a_crash_logs_each_step_once(tmp_path, tr
     """The first controller dies after giving the trackers steps; for TensorBoard and MLflow it
     dies between logging its last step and recording it in the ledger. The controller that
     resumes the run (as `refill run resume` does) logs every other step, and none twice."""
+    # Housekeeping (where the trackers sync) every 0.1 s against a step every 0.3 s or more: the
+    # marks reach 2 long before the run can end, whatever the machine's load.
     config = sim_config(
-        tmp_path, 8, {"tensorboard", "wandb", "mlflow"}, infra={"null_trainer_delay_seconds": 0.3}
+        tmp_path,
+        8,
+        {"tensorboard", "wandb", "mlflow"},
+        infra={"null_trainer_delay_seconds": 0.3, "reaper_interval_seconds": 0.1},
     )
     with embedded_fleet(f"sqlite:///{tmp_path}/refill.db") as runtime:
         ledger = runtime.ledger
@@ -201,7 +206,12 @@ def test_a_tracker_that_cannot_open_waits_and_catches_up(tmp_path, tracker_env, 
         return real_open(self, last_step)
 
     monkeypatch.setattr(writers.MlflowWriter, "open", flaky_open)
-    config = sim_config(tmp_path, 6, {"tensorboard", "mlflow"}, infra={"null_trainer_delay_seconds": 0.2})
+    # The trackers sync at housekeeping: every 0.1 s here, against a step every 0.3 s or more, so
+    # TensorBoard is seen ahead while three steps are still to train (at the default 1 s the
+    # run could end before the test looked).
+    config = sim_config(
+        tmp_path, 6, {"tensorboard", "mlflow"}, infra={"null_trainer_delay_seconds": 0.3, "reaper_interval_seconds": 0.1}
+    )
     with embedded_fleet(f"sqlite:///{tmp_path}/refill.db") as runtime:
         ledger = runtime.ledger
         run_id = create_run_from_config(ledger, config)
