@@ -72,7 +72,7 @@ def checked_payload(
     for where, ids in [("prompt", result.prompt_token_ids)] + [
         (f"completion {i}", c.token_ids) for i, c in enumerate(result.completions)
     ]:
-        for token in ids:
+        for token in _python_values(ids):
             if not isinstance(token, int) or isinstance(token, bool) or token < 0:
                 return f"{where} has token id {token!r}; token ids are non-negative integers", None
             if vocab_size is not None and token >= vocab_size:
@@ -80,12 +80,19 @@ def checked_payload(
             if token > MAX_TOKEN_ID:
                 return f"{where} has token id {token}, above the largest the ledger stores ({MAX_TOKEN_ID})", None
     for i, completion in enumerate(result.completions):
-        for logprob in completion.logprobs:
+        for logprob in _python_values(completion.logprobs):
             if not _finite_number(logprob) or logprob > LOGPROB_CEILING:
                 return f"completion {i} has log-prob {logprob!r}; log-probs are finite and <= 0", None
     # Unreachable while the two paths agree; a data failure of this attempt, rather than an
     # exception that would fail every result of the consumer's batch, if they ever do not.
     return "its token ids or log-probs cannot be stored (the ledger's payload checks disagree: a bug)", None  # pragma: no cover
+
+
+def _python_values(values: Sequence[object]) -> Sequence[object]:
+    # A numpy array's items are numpy scalars, which the checks above would call "not an
+    # int"; its `tolist` gives the Python numbers they mean.
+    tolist = getattr(values, "tolist", None)
+    return values if type(values) is list or tolist is None else tolist()
 
 
 def _finite_number(value: object) -> bool:

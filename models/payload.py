@@ -45,10 +45,25 @@ def _require(body: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> A
 
 @dataclass
 class Completion:
+    """One completion of a group. An engine may hand its token ids and log-probs as 1-D numpy
+    arrays rather than lists (the sim back-end does: the worker packs them for the payload
+    store without making a Python number of each); `ResultMessage.to_json` writes lists."""
+
     token_ids: list[int]
     logprobs: list[float]
     text: str
     finish_reason: str = "stop"
+
+    def __eq__(self, other: object) -> bool:
+        # The dataclass's own would compare numpy arrays element-wise (an array, not a bool).
+        if not isinstance(other, Completion):
+            return NotImplemented
+        return (
+            self.text == other.text
+            and self.finish_reason == other.finish_reason
+            and _json_list(self.token_ids) == _json_list(other.token_ids)
+            and _json_list(self.logprobs) == _json_list(other.logprobs)
+        )
 
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> Completion:
@@ -172,11 +187,11 @@ class ResultMessage:
             "attempt_id": self.attempt_id,
             "worker": self.worker,
             "weight_version": self.weight_version,
-            "prompt_token_ids": self.prompt_token_ids,
+            "prompt_token_ids": _json_list(self.prompt_token_ids),
             "completions": [
                 {
-                    "token_ids": c.token_ids,
-                    "logprobs": c.logprobs,
+                    "token_ids": _json_list(c.token_ids),
+                    "logprobs": _json_list(c.logprobs),
                     "text": c.text,
                     "finish_reason": c.finish_reason,
                 }
@@ -216,6 +231,15 @@ class ResultMessage:
         """The size `infra.max_result_bytes` bounds: an upper estimate of the group's JSON
         inline, the stored payload's size for a claim check."""
         return estimated_result_bytes(self)
+
+
+def _json_list(values: Any) -> list[Any]:
+    """Values of a completion as JSON carries them: a list as it is, a numpy array by its
+    `tolist` (Python numbers, at C speed)."""
+    if type(values) is list:
+        return values
+    tolist = getattr(values, "tolist", None)
+    return tolist() if tolist is not None else list(values)
 
 
 def estimated_result_bytes(result: Any) -> int:

@@ -61,11 +61,54 @@ class RolloutFormatError(ValueError):
     """A stored rollout that does not decode: a corrupt or foreign `groups.rollout` value."""
 
 
-def _little_endian(values: array) -> bytes:
+def _little_endian(values: array | np.ndarray) -> bytes:
+    if isinstance(values, np.ndarray):
+        # Built with an explicit little-endian dtype (`_from_ndarrays`).
+        return values.tobytes()
     if _BIG_ENDIAN:  # pragma: no cover - no big-endian machine in CI
         values = array(values.typecode, values)
         values.byteswap()
     return values.tobytes()
+
+
+def _values(values: array | np.ndarray, dtype: type) -> np.ndarray:
+    return values if isinstance(values, np.ndarray) else np.frombuffer(values, dtype=dtype)
+
+
+def _from_ndarrays(prompt_token_ids: Sequence[int], completions: Sequence[Completion]) -> Rollout | None:
+    """`Rollout.build` for completions whose token ids and log-probs are numpy arrays (an
+    engine that produces them: the sim back-end): concatenated and range-checked at C speed,
+    never turned into Python numbers. None when any completion holds something else; raises as
+    `Rollout.build` for values it cannot store."""
+    if not completions:
+        return None
+    parts_ids, parts_logprobs = [], []
+    for completion in completions:
+        ids, logprobs = completion.token_ids, completion.logprobs
+        if not (isinstance(ids, np.ndarray) and isinstance(logprobs, np.ndarray)):
+            return None
+        if len(logprobs) != len(ids):
+            raise ValueError(f"a completion has {len(ids)} token ids but {len(logprobs)} log-probs")
+        # What `array` refuses from a list: token ids that are not integers (and, as
+        # `Rollout.checked` does, bools), log-probs that are not numbers.
+        if ids.ndim != 1 or ids.dtype.kind not in "iu":
+            raise TypeError(f"token ids of dtype {ids.dtype} and {ids.ndim} dimensions are not integers")
+        if logprobs.ndim != 1 or logprobs.dtype.kind not in "biuf":
+            raise TypeError(f"log-probs of dtype {logprobs.dtype} and {logprobs.ndim} dimensions are not numbers")
+        parts_ids.append(ids)
+        parts_logprobs.append(logprobs)
+    if isinstance(prompt_token_ids, np.ndarray):
+        if prompt_token_ids.ndim != 1 or prompt_token_ids.dtype.kind not in "iu":
+            raise TypeError(f"prompt token ids of dtype {prompt_token_ids.dtype} are not integers")
+        prompt = prompt_token_ids
+    else:
+        prompt = np.frombuffer(array("I", prompt_token_ids), dtype=np.uint32)
+    lengths = np.array([len(ids) for ids in parts_ids], dtype="<u4")
+    ids = np.concatenate([prompt, *parts_ids])
+    if len(ids) and (int(ids.min()) < 0 or int(ids.max()) > MAX_TOKEN_ID):
+        raise OverflowError(f"a token id outside [0, {MAX_TOKEN_ID}]")
+    logprobs = np.concatenate(parts_logprobs).astype("<f8", copy=False)
+    return Rollout(len(prompt), lengths, ids.astype("<u4", copy=False), logprobs)
 
 
 class Rollout:
@@ -78,7 +121,9 @@ class Rollout:
 
     __slots__ = ("prompt_len", "lengths", "ids", "logprobs")
 
-    def __init__(self, prompt_len: int, lengths: array, ids: array, logprobs: array) -> None:
+    def __init__(
+        self, prompt_len: int, lengths: array | np.ndarray, ids: array | np.ndarray, logprobs: array | np.ndarray
+    ) -> None:
         self.prompt_len = prompt_len
         self.lengths = lengths
         self.ids = ids
@@ -88,7 +133,13 @@ class Rollout:
     def build(cls, prompt_token_ids: Sequence[int], completions: Sequence[Completion]) -> Rollout:
         """Raises ValueError if a completion has more or fewer log-probs than token ids, and
         OverflowError or TypeError for a token id that is not an integer in [0, MAX_TOKEN_ID]
-        or a log-prob that is not a number."""
+        or a log-prob that is not a number.
+
+        Completions whose token ids and log-probs are numpy arrays are taken as they are
+        (`_from_ndarrays`), lists through `array`."""
+        fast = _from_ndarrays(prompt_token_ids, completions)
+        if fast is not None:
+            return fast
         lengths = array("I", [len(c.token_ids) for c in completions])
         ids = array("I", prompt_token_ids)
         logprobs = array("d")
@@ -110,11 +161,16 @@ class Rollout:
             rollout = cls.build(prompt_token_ids, completions)
         except (ValueError, TypeError, OverflowError):
             return None
+        # A numpy array's dtype was checked by `build`; a list's values are checked here.
         for ids in [prompt_token_ids, *(c.token_ids for c in completions)]:
-            if ids and set(map(type, ids)) != _INT:
+            if not isinstance(ids, np.ndarray) and ids and set(map(type, ids)) != _INT:
                 return None
         for completion in completions:
-            if completion.logprobs and not set(map(type, completion.logprobs)) <= _NUMBER:
+            logprobs = completion.logprobs
+            if isinstance(logprobs, np.ndarray):
+                if logprobs.dtype.kind not in "iuf":
+                    return None
+            elif logprobs and not set(map(type, logprobs)) <= _NUMBER:
                 return None
         return rollout
 
@@ -125,13 +181,13 @@ class Rollout:
 
     def max_token_id(self) -> int:
         """The largest token id, prompt included (-1 when there is none)."""
-        return int(np.frombuffer(self.ids, dtype=np.uint32).max()) if len(self.ids) else -1
+        return int(_values(self.ids, np.uint32).max()) if len(self.ids) else -1
 
     def logprobs_within(self, ceiling: float) -> bool:
         """Every log-prob finite and at most `ceiling`."""
         if not len(self.logprobs):
             return True
-        values = np.frombuffer(self.logprobs, dtype=np.float64)
+        values = _values(self.logprobs, np.float64)
         return bool(np.isfinite(values).all() and values.max() <= ceiling)
 
     def pack(self) -> bytes:

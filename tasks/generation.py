@@ -24,6 +24,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import select, update
@@ -40,7 +41,7 @@ from refill.models.payload import (
     ResultMessage,
     estimated_result_bytes,
 )
-from refill.models.payload_store import FileStore, store_for
+from refill.models.payload_store import FileStore, Staged, store_for
 from refill.models.settings import LedgerSettings
 from refill.models.tables import Attempt, AttemptState, Run
 from refill.models.training import newest_weights
@@ -97,6 +98,12 @@ class GenerationService:
         # transaction runs share the next (group commit, as the consumer's).
         self._handshakes: MicroBatcher[tuple[int, int, float, int | None], Lease | None] = MicroBatcher(
             self._take_leases, max_batch=64, max_wait_ms=0.0, name="lease-handshakes"
+        )
+        # Payloads written by the attempts that finish together (a bundle's, from one engine
+        # batch) go into place in one batch, with one directory fsync for all of them; as the
+        # handshakes, the first goes at once and those staged meanwhile share the next.
+        self._publishes: MicroBatcher[tuple[FileStore, Staged], None] = MicroBatcher(
+            _publish, max_batch=1024, max_wait_ms=0.0, name="payload-publish"
         )
         self._weights: dict[int, tuple[float, tuple[int, str | None] | None]] = {}
         # Threads for the attempts of bundled messages (started as needed): each task thread
@@ -240,7 +247,13 @@ class GenerationService:
         )
         if run_engine.store is None:
             return result
-        checked = claim_check(result, run_engine.store, run_engine.settings, run_engine.max_result_bytes)
+        checked = claim_check(
+            result,
+            run_engine.store,
+            run_engine.settings,
+            run_engine.max_result_bytes,
+            publish=lambda store, staged: self._publishes.submit((store, staged)),
+        )
         if checked.payload is not None:
             self._chaos.after_storing(checked.attempt_id)
         return checked
@@ -293,6 +306,7 @@ class GenerationService:
     def close(self) -> None:
         self._bundle_pool.shutdown(wait=True)
         self._handshakes.close(timeout=30)
+        self._publishes.close(timeout=30)
         self.leases.close()
         with self._lock:
             if self._current is not None:
@@ -333,13 +347,34 @@ def _run_config_and_dir(session, run_id: int) -> tuple[RunConfig, str]:  # type:
     return from_snapshot(row.config, source=f"run {run_id}'s stored config"), row.run_dir
 
 
+def _publish(batch: list[tuple[FileStore, Staged]]) -> list[None]:
+    """Put the staged payloads of a batch into place: one `FileStore.publish` per store (one
+    directory fsync per directory). An error fails every result of the batch (infra)."""
+    by_store: dict[Path, tuple[FileStore, list[Staged]]] = {}
+    for store, staged in batch:
+        by_store.setdefault(store.root, (store, []))[1].append(staged)
+    for store, staged_list in by_store.values():
+        store.publish(staged_list)
+    return [None] * len(batch)
+
+
 def claim_check(
-    result: ResultMessage, store: FileStore, settings: LedgerSettings, max_result_bytes: int
+    result: ResultMessage,
+    store: FileStore,
+    settings: LedgerSettings,
+    max_result_bytes: int,
+    *,
+    publish: Callable[[FileStore, Staged], None] | None = None,
 ) -> ClaimCheckResult:
     """The claim check of a finished group (`result`, inline): the group checked (as the ledger
     would check it inline, here where it is cheapest), packed and stored in the run's payload
     store, and the small message that names it. A group that cannot be used is a data failure
-    and one that cannot be stored an infra failure, with nothing stored."""
+    and one that cannot be stored an infra failure, with nothing stored.
+
+    The payload is written and fsynced here (`FileStore.stage`), then put into place by
+    `publish` (by default at once, `FileStore.publish`; the generation service batches the
+    payloads of attempts that finish together); either way it is durably in the store before
+    this returns the message that names it."""
 
     def failure(kind: str, error: str) -> ClaimCheckResult:
         return ClaimCheckResult(
@@ -360,7 +395,11 @@ def claim_check(
     if len(payload) > max_result_bytes:
         return failure("data", _oversized(len(payload), max_result_bytes))
     try:
-        ref = store.put(result.attempt_id, payload)
+        staged = store.stage(result.attempt_id, payload)
+        if publish is None:
+            store.publish([staged])
+        else:
+            publish(store, staged)
     except OSError as error:
         # The shared storage is full or unreachable from this worker: an infra failure, so the
         # prompt is tried again (elsewhere, or once the storage is back).
@@ -373,7 +412,7 @@ def claim_check(
         weight_version=result.weight_version,
         rewards=result.rewards,
         generation_seconds=result.generation_seconds,
-        payload=ref,
+        payload=staged.ref,
         prompt_length=len(result.prompt_token_ids),
         lengths=[len(c.token_ids) for c in result.completions],
     )
