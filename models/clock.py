@@ -50,6 +50,12 @@ def ledger_now(session: Session) -> datetime:
     return now
 
 
+def remember_ledger_now(session: Session, now: datetime) -> None:
+    """Keep a `now()` that a statement of the current transaction already returned (the run
+    lock reads it beside the run's row), so that `ledger_now` needs no round trip of its own."""
+    session.info[_CACHE] = (session.get_transaction(), now.astimezone(UTC))
+
+
 def ledger_up_seconds(session: Session) -> float | None:
     """Seconds since the database server last started (None where unknown: SQLite).
 

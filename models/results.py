@@ -24,7 +24,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from refill.models import decisions, rollout_codec
-from refill.models.context import RunContext, literal_in, slot_keys_in, utcnow
+from refill.models.clock import ledger_now
+from refill.models.context import RunContext, literal_in, slot_keys_in
 from refill.models.db import UnknownRun
 from refill.models.metrics import zero_variance_from_counters
 from refill.models.overdispatch import place_extra, top_up
@@ -86,8 +87,8 @@ class BatchResult:
 def record_results(
     session: Session, results: Sequence[ResultMessage], now: datetime | None = None
 ) -> BatchResult:
-    """Apply a batch of results in one transaction (the caller's)."""
-    now = now or utcnow()
+    """Apply a batch of results in one transaction (the caller's), at `now` or, by default, the
+    database's clock (read with each run's lock, no round trip of its own)."""
     by_run: dict[int, list[tuple[int, ResultMessage]]] = {}
     for position, result in enumerate(results):
         by_run.setdefault(result.run_id, []).append((position, result))
@@ -100,10 +101,9 @@ def record_results(
         try:
             ctx = RunContext.open(session, run_id, now)
         except UnknownRun:
+            at = now or ledger_now(session)
             for position, result in items:
-                outcomes[position] = _reject(
-                    session, result, RejectReason.UNKNOWN, f"there is no run {run_id}", now
-                )
+                outcomes[position] = _reject(session, result, RejectReason.UNKNOWN, f"there is no run {run_id}", at)
             continue
         attempts = _preload(ctx, [r.attempt_id for _, r in items])
         ctx.size_caches(len(items))

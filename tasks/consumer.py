@@ -88,7 +88,8 @@ class ResultConsumer:
                 decoded.append((i, item))
 
         def write(session: Session):  # type: ignore[no-untyped-def]
-            now = ledger_now(session)
+            # The clock comes with the run lock in record_results; only refusals read it here.
+            now = ledger_now(session) if malformed else None
             for _, body, error in malformed:
                 session.add(
                     RejectedResult(
