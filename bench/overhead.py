@@ -31,6 +31,13 @@ Redis cannot be reached).
 Results come from the `sim` back-end's model (prompt difficulty, n completions of
 `tokens_per_completion` tokens, `refill.rewards.sim:solved`), made outside the timers. `--profile`
 prints the top functions (cumulative time) of the record phase, where the time goes.
+
+The floor (`bench/floor.py`), measured in each round: every row the step's transactions wrote
+(read back after each commit, outside the timers) written again into a scratch database with
+the same schema by the simplest bulk SQL, with no decisions, one transaction for each of the
+step's: per table one Core insert of a list of dicts and one `UPDATE ... FROM unnest(...)` per
+set of changed columns. Printed per phase beside the controller overhead, with
+`controller overhead / floor`.
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from bench.floor import ChangeLog, Floor, describe, replay
 from bench.machine import load_average, process_cpu
 
 REPO = Path(__file__).resolve().parents[1]
@@ -129,13 +137,13 @@ class Timers:
 
 def one_step(
     url: str, args: argparse.Namespace, profile: cProfile.Profile | None, phase: str | None = None
-) -> tuple[Timers, dict[str, int], list[dict[str, Any]]]:
+) -> tuple[Timers, dict[str, int], list[dict[str, Any]], ChangeLog]:
     from refill.config import config_from_dict
     from refill.models import metrics as metrics_module
     from refill.models import slots as slots_module
     from refill.models.admission import admit_steps
     from refill.models.dataset import load_dataset
-    from refill.models.db import Ledger
+    from refill.models.db import Ledger, make_engine
     from refill.models.leases import start_attempts
     from refill.models.outbox import claim_outbox, mark_sent
     from refill.models.payload import GenerateMessage, ResultMessage
@@ -153,6 +161,8 @@ def one_step(
 
     timers = Timers()
     ledger = Ledger(url)
+    # Its own connection: reading the rows back never touches the timed backend.
+    log = ChangeLog(make_engine(url))
     statements: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0])
     if args.statements:
         from sqlalchemy import event
@@ -195,6 +205,7 @@ def one_step(
         return run.id, run.run_dir
 
     run_id, run_dir = ledger.transaction(create)
+    log.capture("setup")
     payload_store = store_for(config, run_dir)
     settings = LedgerSettings.from_config(config)
     # The pool hands this single thread the same connection every time; read its backend's CPU.
@@ -202,6 +213,7 @@ def one_step(
 
     timers.backends = [ledger.transaction(lambda s: s.execute(text("select pg_backend_pid()")).scalar_one())]
     ledger.transaction(lambda s: start_run(s, run_id, "bench-controller"))
+    log.capture("setup")
     engine = SimEngine.from_config(snapshot)
     engine.weight_version = 0
     reward_fn = load_reward_fn("refill.rewards.sim:solved", None)
@@ -233,6 +245,7 @@ def one_step(
             admitted = ledger.transaction(lambda s: admit_steps(s, run_id))
         if profile is not None and phase == "admission":
             profile.disable()
+        log.capture("admission")
         assert admitted.steps == [0], admitted.steps
         pending: list[dict[str, Any]] = []  # generate messages relayed, not yet finished
         while True:
@@ -246,6 +259,7 @@ def one_step(
                     )
                 if profile is not None and phase == "relay":
                     profile.disable()
+                log.capture("relay")
                 if not sent:
                     break
                 counts["messages"] += len(sent)
@@ -291,6 +305,7 @@ def one_step(
                     results.append(result.to_json())
                     if len(samples) < SAMPLES:
                         samples.append(results[-1])
+            log.capture("lease handshakes")  # the batch's bundles together: not part of the floor
             if not results:
                 continue
             # The consumer decodes each body it receives; decoding is part of its cost.
@@ -304,6 +319,7 @@ def one_step(
                 FileStore.of_run(run_dir).remove(name for _, name in recorded.discarded)
             if profile is not None and phase == "record":
                 profile.disable()
+            log.capture("record")
             timers.seconds["record"] -= timers.seconds["release"] - before
             for outcome in recorded.outcomes:
                 counts[outcome.outcome.value] += 1
@@ -314,6 +330,7 @@ def one_step(
         with timers.time("trainer claim"):
             batch = ledger.transaction(lambda s: claim_training(s, run_id, 0, "bench-trainer"))
             assert batch is not None and len(batch.groups) == args.groups, "the step did not release whole"
+        log.capture("trainer claim")
         counts["trained groups"] = len(batch.groups)
         assert counts[Outcome.COMMITTED.value] >= args.groups
     finally:
@@ -321,11 +338,12 @@ def one_step(
         slots_module.maybe_release = real_release
         timers.seconds["release"] -= timers.seconds["metrics"]
         ledger.dispose()
+        log.engine.dispose()
     if statements:
         print("statements by phase (this round): executions, parameter sets, seconds in the driver (server included)")
         for key, (number, seconds, rows) in sorted(statements.items(), key=lambda kv: -kv[1][1]):
             print(f"  {number:7d} {rows:7d} {seconds:7.3f}  {key}")
-    return timers, counts, samples
+    return timers, counts, samples, log
 
 
 def _lengths(result: Any) -> list[int]:
@@ -392,13 +410,21 @@ def main(argv: list[str] | None = None) -> int:
     profile = cProfile.Profile(time.process_time) if args.profile else None
     counts: dict[str, int] = {}
     samples: list[dict[str, Any]] = []
+    floors: list[Floor] = []
     for i in range(args.repeat):
         with temporary_pg_database("refill_bench_overhead") as url:
             upgrade(url)
             try:
-                timers, counts, samples = one_step(url, args, profile if i == args.repeat - 1 else None, args.profile)
+                timers, counts, samples, log = one_step(
+                    url, args, profile if i == args.repeat - 1 else None, args.profile
+                )
             finally:
                 shutil.rmtree(OUTPUT_DIR, ignore_errors=True)
+        # A database of its own, after the step: the floor neither shares the step's tables
+        # nor runs beside it.
+        with temporary_pg_database("refill_bench_floor") as scratch:
+            upgrade(scratch)
+            floors.append(replay(scratch, log.changes))
         rounds.append(timers)
         total = sum(timers.seconds[p] for p in PHASES)
         cpu = sum(timers.cpu[p] + timers.db_cpu[p] for p in PHASES)
@@ -408,6 +434,12 @@ def main(argv: list[str] | None = None) -> int:
             + ", ".join(f"{p} {timers.seconds[p]:.2f}" for p in PHASES)
             + f")  lease handshakes {timers.seconds['lease handshakes']:.2f} s, trainer claim "
             f"{timers.seconds['trainer claim']:.2f} s   load {load_average()}",
+            flush=True,
+        )
+        print(
+            f"  round {i + 1} floor: "
+            + ", ".join(f"{p} {floors[-1].seconds[p]:.2f}" for p in FLOOR_PHASES)
+            + f" s (reading the step's rows back, untimed: {log.seconds:.1f} s)",
             flush=True,
         )
     print()
@@ -434,6 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     row("controller overhead", PHASES, f"   target <= {args.target:.1f} s wall: {verdict}")
     for extra in ("lease handshakes", "trainer claim"):
         row(extra + " (not counted)", (extra,))
+    print_floor(rounds, floors)
     consumer_cpu = statistics.median(t.cpu["record"] for t in rounds)
     print(
         f"consumer CPU per result (record phase: decode, record, remove discarded payloads): "
@@ -451,6 +484,44 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nprofile of the {args.profile} phase (last round), by cumulative time:")
         print(out.getvalue())
     return 0
+
+
+#: The floor's phases, and the measured phases each stands beside (the release and its metrics
+#: run inside the last record transaction, so their rows are in its floor).
+FLOOR_PHASES = {"admission": ("admission",), "relay": ("relay",), "record": ("record", "release", "metrics")}
+
+
+def print_floor(rounds: list[Timers], floors: list[Floor]) -> None:
+    print(
+        "floor: the rows each phase wrote, written again by plain bulk SQL with no decisions "
+        "(a scratch database, one transaction for each of the step's that wrote)"
+    )
+    print(
+        f"  {'phase (median of rounds)':28}{'overhead s':>11}{'floor s':>9}{'ratio':>7}{'floor CPU s: bench':>20}{'db':>7}"
+        f"{'transactions':>13}{'statements':>11}  rows: +inserted ~updated -deleted =written unchanged (not replayed)"
+    )
+    ratios = []
+    for name, phases in FLOOR_PHASES.items():
+        overhead = statistics.median(sum(t.seconds[p] for p in phases) for t in rounds)
+        floor = statistics.median(f.seconds[name] for f in floors)
+        cpu = statistics.median(f.cpu[name] for f in floors)
+        db = statistics.median(f.db_cpu[name] for f in floors)
+        label = name if len(phases) == 1 else f"{name} (+ {', '.join(phases[1:])})"
+        ratios.append(f"{name} {overhead / floor:.2f}" if floor else f"{name} -")
+        print(
+            f"  {label:28}{overhead:11.3f}{floor:9.3f}{(overhead / floor if floor else 0):7.2f}{cpu:20.3f}{db:7.3f}"
+            f"{floors[-1].transactions[name]:13d}{floors[-1].statements[name]:11d}  {describe(floors[-1].rows[name])}"
+        )
+    overhead = statistics.median(sum(t.seconds[p] for p in PHASES) for t in rounds)
+    floor = statistics.median(sum(f.seconds[p] for p in FLOOR_PHASES) for f in floors)
+    print(f"controller overhead / floor: {overhead / floor:.2f} ({overhead:.2f} s / {floor:.2f} s; {', '.join(ratios)})")
+    # CPU seconds do not count the waits for a core, so on a loaded machine they are the steadier figure.
+    cpu = statistics.median(sum(t.cpu[p] + t.db_cpu[p] for p in PHASES) for t in rounds)
+    floor_cpu = statistics.median(sum(f.cpu[p] + f.db_cpu[p] for p in FLOOR_PHASES) for f in floors)
+    print(
+        f"CPU (this process + its database backend), controller / floor: {cpu / floor_cpu:.2f} "
+        f"({cpu:.2f} s / {floor_cpu:.2f} s)"
+    )
 
 
 def _redis_bytes(redis_url: str, samples: list[dict[str, Any]]) -> str:

@@ -1,0 +1,254 @@
+"""The floor of `python -m bench overhead`: the rows the measured step wrote, written again by
+the simplest bulk SQL, with no decisions.
+
+`ChangeLog` reads back, after each of the step's transactions has committed (outside the
+timers), every row that transaction wrote: a row whose `xmin` is at or past the next
+transaction id noted after the previous transaction. Compared with the rows it read before,
+each is an insert, an update (of the columns whose values differ) or, when a table's count
+falls short, a delete. Rows rewritten with the values they had are counted, not replayed: a
+write with nothing to say is the controller's cost, not the floor's.
+
+`replay` writes those changes into a scratch database with the same schema (the same
+migrations, so the same indexes and constraints), one transaction for each of the step's, in
+the step's order: deletes, then per table (parents first) one Core `insert(table)` of a list
+of dicts (as the ledger inserts: one executemany, which psycopg pipelines), then per table
+and set of changed columns one `UPDATE ... FROM unnest(...)` with one array parameter per
+column. The setup, the workers'
+lease handshakes and the trainer's claim are replayed too (so every row is as the step found
+it), timed under their own names; only admission, relay and record are the floor.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import JSON, Engine, Table, bindparam, delete, func, insert, select, text, tuple_
+from sqlalchemy.dialects.postgresql import JSONB
+
+from bench.machine import process_cpu
+
+
+@dataclass
+class Change:
+    """What one committed transaction of the step wrote."""
+
+    phase: str
+    inserts: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    #: table -> (changed columns) -> rows holding the primary key and those columns
+    updates: dict[str, dict[tuple[str, ...], list[dict[str, Any]]]] = field(default_factory=dict)
+    deletes: dict[str, list[tuple[Any, ...]]] = field(default_factory=dict)
+    #: rows written again with the values they had (not replayed)
+    rewritten: dict[str, int] = field(default_factory=dict)
+
+    def empty(self) -> bool:
+        return not (self.inserts or self.updates or self.deletes)
+
+
+class ChangeLog:
+    """The step's transactions as change sets, read from the measured database."""
+
+    def __init__(self, engine: Engine) -> None:
+        from refill.models.tables import Base
+
+        self.engine = engine
+        self.tables: list[Table] = list(Base.metadata.sorted_tables)
+        self.rows: dict[str, dict[tuple[Any, ...], dict[str, Any]]] = {
+            t.name: {} for t in self.tables
+        }
+        self.changes: list[Change] = []
+        self.seconds = 0.0  # spent reading changes back (outside the timers)
+        self.mark = "0"
+        self.capture("before")  # what the migrations wrote, if anything: not replayed
+        self.changes.clear()
+
+    def capture(self, phase: str) -> Change:
+        """Read back what was written since the last capture, as one transaction of `phase`."""
+        started = time.perf_counter()
+        change = Change(phase)
+        with self.engine.connect() as conn:
+            # A read-only transaction has no id of its own: the next one is the first the
+            # following capture must see.
+            mark = str(
+                conn.execute(
+                    text(
+                        "SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint % 4294967296"
+                    )
+                ).scalar_one()
+            )
+            written = text("age(xmin) <= age(CAST(:mark AS xid))").bindparams(mark=self.mark)
+            counts = conn.execute(
+                select(
+                    *(select(func.count()).select_from(t).scalar_subquery() for t in self.tables)
+                )
+            ).one()
+            for table, count in zip(self.tables, counts, strict=True):
+                known = self.rows[table.name]
+                key_columns = [c.name for c in table.primary_key.columns]
+                inserted: list[dict[str, Any]] = []
+                updated: dict[tuple[str, ...], list[dict[str, Any]]] = defaultdict(list)
+                rewritten = 0
+                for row in conn.execute(select(table).where(written)).mappings():
+                    row = dict(row)
+                    key = tuple(row[c] for c in key_columns)
+                    before = known.get(key)
+                    known[key] = row
+                    if before is None:
+                        inserted.append(row)
+                        continue
+                    columns = tuple(
+                        c for c in row if c not in key_columns and not _same(before[c], row[c])
+                    )
+                    if columns:
+                        updated[columns].append({c: row[c] for c in (*key_columns, *columns)})
+                    else:
+                        rewritten += 1
+                if len(known) != count:  # rows deleted: find which
+                    present = set(conn.execute(select(*table.primary_key.columns)).tuples())
+                    gone = [key for key in known if key not in present]
+                    for key in gone:
+                        del known[key]
+                    change.deletes[table.name] = gone
+                if inserted:
+                    change.inserts[table.name] = inserted
+                if updated:
+                    change.updates[table.name] = dict(updated)
+                if rewritten:
+                    change.rewritten[table.name] = rewritten
+            self.mark = mark
+        self.changes.append(change)
+        self.seconds += time.perf_counter() - started
+        return change
+
+
+def _same(a: Any, b: Any) -> bool:
+    return a == b or (
+        isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b)
+    )
+
+
+@dataclass
+class Floor:
+    """The replay's cost per phase, and what it wrote."""
+
+    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    cpu: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    db_cpu: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    transactions: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    statements: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    #: phase -> table -> {"+": inserted, "~": updated, "-": deleted, "=": rewritten unchanged}
+    rows: dict[str, dict[str, dict[str, int]]] = field(
+        default_factory=lambda: defaultdict(lambda: defaultdict(lambda: defaultdict(int)))
+    )
+
+
+def replay(url: str, changes: list[Change]) -> Floor:
+    """Write `changes` into the fresh, migrated database at `url`, timing each transaction."""
+    from refill.models.db import make_engine
+    from refill.models.tables import Base
+
+    tables = list(Base.metadata.sorted_tables)
+    floor = Floor()
+    engine = make_engine(url)
+    try:
+        with engine.connect() as conn:
+            backend = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+        for change in changes:
+            counts = floor.rows[change.phase]
+            for name, rows in change.inserts.items():
+                counts[name]["+"] += len(rows)
+            for name, shapes in change.updates.items():
+                counts[name]["~"] += sum(len(rows) for rows in shapes.values())
+            for name, keys in change.deletes.items():
+                counts[name]["-"] += len(keys)
+            for name, number in change.rewritten.items():
+                counts[name]["="] += number
+            if change.empty():
+                continue
+            db_started = process_cpu(backend)
+            cpu_started = time.process_time()
+            started = time.perf_counter()
+            with engine.begin() as conn:
+                floor.statements[change.phase] += _write(conn, tables, change)
+            floor.seconds[change.phase] += time.perf_counter() - started
+            floor.cpu[change.phase] += time.process_time() - cpu_started
+            floor.db_cpu[change.phase] += process_cpu(backend) - db_started
+            floor.transactions[change.phase] += 1
+    finally:
+        engine.dispose()
+    return floor
+
+
+def _write(conn: Any, tables: list[Table], change: Change) -> int:
+    statements = 0
+    for table in reversed(tables):
+        keys = change.deletes.get(table.name)
+        if keys:
+            conn.execute(delete(table).where(tuple_(*table.primary_key.columns).in_(keys)))
+            statements += 1
+    for table in tables:
+        rows = change.inserts.get(table.name)
+        if rows:
+            conn.execute(_insert(table), rows)
+            statements += 1
+    for table in tables:
+        for columns, rows in sorted(change.updates.get(table.name, {}).items()):
+            _update(conn, table, list(columns), rows)
+            statements += 1
+    return statements
+
+
+def _insert(table: Table) -> Any:
+    """`insert(table)`, where None in a JSON column is SQL NULL (as it was read), not JSON null."""
+    nulls = {
+        c.name: bindparam(c.name, type_=JSONB(none_as_null=True))
+        for c in table.columns
+        if isinstance(c.type, JSON)
+    }
+    return insert(table).values(nulls) if nulls else insert(table)
+
+
+def _update(conn: Any, table: Table, columns: list[str], rows: list[dict[str, Any]]) -> None:
+    """One `UPDATE ... FROM unnest(...)` of these rows' `columns`, one array per column."""
+    dialect = conn.dialect
+    names = [c.name for c in table.primary_key.columns] + columns
+    arrays: dict[str, list[Any]] = {}
+    casts = []
+    for i, name in enumerate(names):
+        column = table.c[name]
+        values = [row[name] for row in rows]
+        if isinstance(column.type, JSON):
+            values = [None if value is None else json.dumps(value) for value in values]
+        else:
+            process = column.type._cached_bind_processor(dialect)
+            if process is not None:
+                values = [process(value) for value in values]
+        arrays[f"a{i}"] = values
+        casts.append(f"CAST(:a{i} AS {column.type.compile(dialect)}[])")
+    keys = len(table.primary_key.columns)
+    assignments = ", ".join(f"{name} = v.{name}" for name in names[keys:])
+    match = " AND ".join(f"t.{name} = v.{name}" for name in names[:keys])
+    statement = text(
+        f"UPDATE {table.name} AS t SET {assignments} "
+        f"FROM unnest({', '.join(casts)}) AS v({', '.join(names)}) WHERE {match}"
+    ).bindparams(*(bindparam(name) for name in arrays))
+    result = conn.execute(statement, arrays)
+    if result.rowcount != len(rows):
+        raise RuntimeError(
+            f"floor: update of {table.name} matched {result.rowcount} of {len(rows)} rows"
+        )
+
+
+def describe(rows: dict[str, dict[str, int]]) -> str:
+    """`attempts +4812 ~6272, slots ~4096, ...`: rows inserted (+), updated (~), deleted (-),
+    and written again unchanged (=, not replayed)."""
+    parts = []
+    for name, counts in rows.items():
+        marks = " ".join(f"{mark}{counts[mark]}" for mark in "+~-=" if counts.get(mark))
+        if marks:
+            parts.append(f"{name} {marks}")
+    return ", ".join(parts) or "nothing"
