@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
@@ -33,6 +34,11 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     option = session.config.option
     if option.collectonly or getattr(option, "showfixtures", False):
         return
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # A pytest-xdist worker (`-n`): the controlling session started the servers (or was
+        # given them) before it started the workers, whose environment names them.
+        _own_redis_database(os.environ["PYTEST_XDIST_WORKER"])
+        return
     # Before anything starts: a machine without the binaries gets one line, not an error per
     # test. (A UsageError is the one way out of a session that pytest prints once, as one line.)
     missing = missing_binaries(postgresql=not os.environ.get(PG_ENV), redis=not os.environ.get(REDIS_ENV))
@@ -46,6 +52,26 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     except Exception as error:  # noqa: BLE001 - the session cannot run without its servers
         raise pytest.UsageError(f"the test servers did not start: {error}") from error
     session.config.stash[SERVICES] = services
+
+
+def _own_redis_database(worker: str) -> None:
+    """Point this xdist worker at a Redis database of its own (gw0 -> 1, gw1 -> 2, ...): its
+    fleets' queues, results and worker events must not meet another worker's. Each worker
+    makes its own PostgreSQL database already (tests/support/databases.py)."""
+    url = urlsplit(os.environ[REDIS_ENV])
+    index = int(worker.removeprefix("gw")) + 1
+    if index > 15:
+        raise pytest.UsageError(f"at most 15 test workers share one Redis (16 databases); {worker} is one too many: lower -n")
+    os.environ[REDIS_ENV] = urlunsplit(url._replace(path=f"/{index}"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Under `-n`, the fault scenarios that share the package's fleet of worker processes
+    # (tests/faults/conftest.py) run on one xdist worker, one after the other, as they do
+    # without it (`--dist loadgroup`); everything else spreads over the workers.
+    for item in items:
+        if "chaos_fleet" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("fault-fleet"))
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:

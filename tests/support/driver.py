@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import tempfile
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -119,6 +120,9 @@ class Driver:
         self.now = T0
         #: check the ledger invariants of this run after the test
         self.check = check
+        #: the run's directory parent (claim-check payloads land under it): one per driver, since
+        #: every SQLite ledger's first run is run 1 and tests run side by side under `-n`
+        self.output_dir = tempfile.mkdtemp(prefix="refill-test-runs-")
 
         def create(session):  # type: ignore[no-untyped-def]
             run = create_run(
@@ -128,7 +132,7 @@ class Driver:
                 config_hash=config_hash(self.config),
                 prompts=[PromptRow(text=f"p{i}", row={"prompt": f"p{i}", "i": i}) for i in range(num_prompts)],
                 data_fingerprint="test",
-                output_dir="/tmp/refill-test-runs",
+                output_dir=self.output_dir,
                 now=self.now,
             )
             session.flush()

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from refill.data import arith
 from refill.config import config_from_dict
+from refill.data import arith
 from refill.models.dataset import (
     MAX_LISTED_ROWS,
     DatasetError,
