@@ -113,9 +113,9 @@ class Tenth:
 class ScaleFleet(VirtualFleet):
     """The virtual fleet, measured every tenth of `target` results, stopped at `target`."""
 
-    def __init__(self, scenario: Scenario, url: str, target: int) -> None:
+    def __init__(self, scenario: Scenario, url: str, target: int, batch_window: float = 0.02) -> None:
         self.ledger_cpu = 0.0  # before the virtual fleet's first transaction (creating the run)
-        super().__init__(scenario, RefillPolicy(), ledger_url=url)
+        super().__init__(scenario, RefillPolicy(), ledger_url=url, batch_window=batch_window)
         self.started_at = _Forget()
         self.target = target
         self.results = 0
@@ -455,6 +455,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=16, help="W")
     parser.add_argument("--in-flight", type=int, default=64, help="C, groups in flight per worker")
     parser.add_argument("--latency", default="lognormal:mean=1,sigma=0.5")
+    parser.add_argument(
+        "--batch-window", type=float, default=0.02,
+        help="virtual seconds the consumer waits after a batch's first result (its max_wait_ms; at most 64 a batch)",
+    )
     parser.add_argument("--dataset", type=int, default=20_000, help="prompts in the (cycled) data set")
     parser.add_argument("--server", default=None, help="PostgreSQL admin URL (default REFILL_BENCH_PG_URL, REFILL_TEST_PG_URL, local)")
     parser.add_argument("--keep", action="store_true", help="keep the database (its name is printed)")
@@ -496,6 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"  {args.attempts} results; N = {args.prompts} prompts/step, n = {args.generations}, p = {args.p}, "
         f"lookahead {args.lookahead}, W x C = {args.workers} x {args.in_flight} in flight, latency {args.latency}, "
+        f"consumer window {args.batch_window:g} s, "
         f"data set {args.dataset} prompts (cycled); load average {os.getloadavg()[0]:.2f}"
     )
     print(f"  database {make_url(url).database}{' (kept)' if args.keep else ''}", flush=True)
@@ -503,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
     fleet = None
     try:
         upgrade(url)
-        fleet = ScaleFleet(scenario, url, args.attempts)
+        fleet = ScaleFleet(scenario, url, args.attempts, batch_window=args.batch_window)
         fleet.run_to_target()
         print(
             f"{fleet.results} results, {fleet.dispatched} attempts, {fleet.trained_steps} steps trained in "

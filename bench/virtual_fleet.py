@@ -7,8 +7,9 @@ ledger operations the Celery tasks call:
 - controller: `admit_steps` at start, `claim_outbox` + `mark_sent` after every operation that
   wrote outbox rows (the relay), `expire_leases` every `reap_every` virtual seconds;
 - generation workers: `W` workers with `C` groups in flight each, one FIFO of relayed
-  `generate` messages; a worker takes the lease (`start_attempt`, with the weight version its
-  engine holds: the newest published one), runs the `sim` engine in virtual mode (it reports
+  `generate` messages; a worker takes the lease (`start_attempts`, with the weight version its
+  engine holds: the newest published one; the handshakes of one moment in one statement, as a
+  worker's lease batcher sends them), runs the `sim` engine in virtual mode (it reports
   the latency it drew instead of sleeping), scores the group with the run's reward function,
   and its result arrives at `start + latency`;
 - results consumer: the results that arrive within `batch_window` seconds of the first one
@@ -40,7 +41,7 @@ from sqlalchemy.orm import Session
 
 from refill.models.admission import admit_steps
 from refill.models.db import Ledger
-from refill.models.leases import expire_leases, start_attempt
+from refill.models.leases import Lease, expire_leases, start_attempts
 from refill.models.outbox import claim_outbox, mark_sent
 from refill.models.payload import GenerateMessage, ResultMessage
 from refill.models.results import record_results
@@ -54,6 +55,8 @@ from refill.tasks.backends.sim import Latency, SimEngine
 T = TypeVar("T")
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
+#: leases taken in one statement at most (a generation worker's lease batcher, tasks/generation.py)
+LEASE_BATCH = 64
 
 
 @dataclass(frozen=True)
@@ -312,7 +315,7 @@ class VirtualFleet:
     def start_workers(self) -> None:
         """Free worker slots take queued messages in FIFO order.
 
-        A worker takes the lease (`start_attempt`) the moment it starts; the benchmark
+        A worker takes the lease (`start_attempts`) the moment it starts; the benchmark
         applies the leases taken since the last ledger operation in one transaction right
         before the next one (`flush_starts`), each with its own time, so the ledger sees them
         in the same order and at the same times as if each had been its own transaction."""
@@ -328,19 +331,35 @@ class VirtualFleet:
         if not self.starting:
             return
         batch, self.starting = self.starting, []
+        lease_seconds = float(self.config["generation"]["lease_seconds"])
+        # As a generation worker takes them (`GenerationService._take_leases`): the handshakes
+        # waiting at one moment go out as one `start_attempts` statement (at most
+        # LEASE_BATCH), here those started at the same virtual time with the same weights.
+        chunks: list[list[tuple[GenerateMessage, float, int]]] = []
+        for item in batch:
+            last = chunks[-1] if chunks else None
+            if last is not None and len(last) < LEASE_BATCH and last[0][1:] == item[1:]:
+                last.append(item)
+            else:
+                chunks.append([item])
 
-        def go(session: Session) -> list:
-            return [
-                start_attempt(session, m.attempt_id, "bench-worker", self.at(when), version)
-                for m, when, version in batch
-            ]
+        def go(session: Session) -> dict[int, Lease]:
+            taken: dict[int, Lease] = {}
+            for chunk in chunks:
+                _, when, version = chunk[0]
+                ids = [m.attempt_id for m, _, _ in chunk]
+                taken.update(
+                    start_attempts(session, self.run_id, ids, "bench-worker", lease_seconds, self.at(when), version)
+                )
+            return taken
 
         began = time.perf_counter()
         leases = self.ledger.transaction(go, what="start_attempt")
         entry = self.profile.setdefault("start_attempt", [0.0, 0])
         entry[0] += time.perf_counter() - began
         entry[1] += len(batch)
-        for (message, _, version), lease in zip(batch, leases, strict=True):
+        for message, _, version in batch:
+            lease = leases.get(message.attempt_id)
             if lease is None:
                 # Cancelled or settled before a worker took it: the worker skips it. (Only
                 # happens when the run ends.)
