@@ -158,12 +158,13 @@ class Controller:
     def _track(self, status: str) -> None:
         if self.tracking is None:
             return
+        if status == RunStatus.RUNNING.value:
+            self.tracking.sync()
+            return
         # Also once the run has ended: its last step is trained in the trainer's transaction
         # that completes the run.
-        self.tracking.sync()
-        if status != RunStatus.RUNNING.value:
-            self.tracking.close(status)
-            self.tracking = None
+        self.tracking.finish(status)
+        self.tracking = None
 
     def stop_tracking(self) -> None:
         """Close the trackers while the run goes on (a detached controller's slice is over)."""

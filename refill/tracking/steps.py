@@ -117,6 +117,23 @@ class StepTracking:
             self._record({**self.marks, **advanced})
         return logged
 
+    def finish(self, run_status: str) -> None:
+        """The run ended (`run_status`): log what every tracker still lacks, then close them.
+
+        A tracker that failed during the run is opened once more at once, not after its retry
+        wait: nothing syncs after this, so its last steps would otherwise never reach it. One
+        that still fails is named with the steps it lacks (the ledger keeps its mark)."""
+        self._retry_at.clear()
+        while self.sync():
+            pass  # each sync logs at most STEPS_PER_SYNC steps
+        if not self.lost:
+            for writer in self.pending:
+                log.error(
+                    "run %s ended %s; experiment tracker %s could not be reached and lacks the steps after %s",
+                    self.run.run_id, run_status, writer.name, self.marks.get(writer.name, "none"),
+                )
+        self.close(run_status)
+
     def close(self, run_status: str | None = None) -> None:
         """Close the open trackers; `run_status` is the status the run ended with, None when
         only this controller stops (its slice is over, or it lost the run)."""

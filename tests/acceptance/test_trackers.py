@@ -227,6 +227,55 @@ def test_a_tracker_that_cannot_open_waits_and_catches_up(tmp_path, tracker_env, 
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "reward")) == list(range(6))
 
 
+def test_a_tracker_down_until_the_run_ends_gets_every_step_at_the_end(tmp_path, tracker_env, monkeypatch, caplog) -> None:
+    """A tracker that failed and is back only when the run completes is opened once more at
+    the end, not after its retry wait (nothing syncs after the run): it gets every step."""
+    monkeypatch.setattr(steps, "RETRY_SECONDS", 3600.0)
+    down = {"mlflow": True}
+    real_open = writers.MlflowWriter.open
+
+    def flaky_open(self, last_step):  # type: ignore[no-untyped-def]
+        if down["mlflow"]:
+            raise TrackerUnavailable("the tracking server is down")
+        return real_open(self, last_step)
+
+    monkeypatch.setattr(writers.MlflowWriter, "open", flaky_open)
+    config = sim_config(
+        tmp_path, 4, {"tensorboard", "mlflow"}, infra={"null_trainer_delay_seconds": 0.3, "reaper_interval_seconds": 0.1}
+    )
+    with embedded_fleet(f"sqlite:///{tmp_path}/refill.db") as runtime:
+        ledger = runtime.ledger
+        run_id = create_run_from_config(ledger, config)
+        controller = Controller(ledger, runtime.app, run_id)
+        controller.start()
+        tick_until(controller, lambda: (marks(ledger, run_id) or {}).get("tensorboard", -1) >= 1)
+        assert "mlflow" not in marks(ledger, run_id)
+        # Back, with an hour of retry wait still to go: only the run's end can reach it.
+        down["mlflow"] = False
+        assert controller.run(max_seconds=120) == "completed"
+        assert marks(ledger, run_id) == {"tensorboard": 3, "mlflow": 3}
+    client, run = mlflow_run(f"file://{tmp_path}/mlruns", "refill-test")
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "reward")) == list(range(4))
+
+
+def test_a_tracker_still_down_when_the_run_ends_is_named_with_the_steps_it_lacks(tmp_path, tracker_env, monkeypatch, caplog) -> None:
+    monkeypatch.setattr(steps, "RETRY_SECONDS", 3600.0)
+
+    def down(self, last_step):  # type: ignore[no-untyped-def]
+        raise TrackerUnavailable("the tracking server is down")
+
+    monkeypatch.setattr(writers.MlflowWriter, "open", down)
+    config = sim_config(tmp_path, 2, {"tensorboard", "mlflow"}, infra={"reaper_interval_seconds": 0.1})
+    with embedded_fleet(f"sqlite:///{tmp_path}/refill.db") as runtime:
+        ledger = runtime.ledger
+        run_id = create_run_from_config(ledger, config)
+        controller = Controller(ledger, runtime.app, run_id)
+        controller.start()
+        assert controller.run(max_seconds=120) == "completed"
+        assert marks(ledger, run_id) == {"tensorboard": 1}
+    assert "experiment tracker mlflow could not be reached and lacks the steps after none" in caplog.text
+
+
 def test_a_missing_tracker_package_names_the_extra(monkeypatch) -> None:
     monkeypatch.setitem(writers.TRACKERS, "wandb", ("refill_no_such_module", "wandb"))
     with pytest.raises(TrackerUnavailable, match=r"logging\.wandb\.enabled .* pip install 'refill\[wandb\]'"):
