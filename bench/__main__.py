@@ -25,6 +25,10 @@ OWN_PARSERS = {
         "bench.skip",
         "dynamic sampling with and without pre-rollout skipping: rollouts per trained group (sim)",
     ),
+    "compare": (
+        "bench.compare",
+        "any benchmark on an earlier commit and on this checkout, side by side (python -m bench compare REV -- fill)",
+    ),
     "learning": (
         "bench.learning",
         "the tiny model on the CPU: GRPO, + dynamic sampling, + skipping; reward against tokens",

@@ -80,3 +80,25 @@ def test_learning_bench_prints_three_arms_a_figure_and_the_comparison(tmp_path: 
         assert re.search(rf"^  {arm}\s+2\s+\d+\s+[\d.]+\s+[\d.]+", out, re.MULTILINE), out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert re.match(r"^skip vs ds: tokens \d+% of ds, first-attempt reward gap -?[\d.]+$", out.splitlines()[-1]), out
+
+
+def test_compare_runs_a_bench_on_an_earlier_commit_and_on_this_checkout() -> None:
+    out = run_bench(
+        "compare", "HEAD", "--grep", r"^  refill \(", "--",
+        "fill", "--prompts", "8", "--steps", "2", "--p", "0.33", "--lookahead", "1",
+        "--workers", "1", "--in-flight", "4", "--processes", "1",
+    )
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    summary = out.split("summary (lines matching --grep, each round):\n", 1)[1].splitlines()
+    # One refill row from each side: the extracted commit's, then this checkout's.
+    assert [line.split(" round 1: ")[0].strip() for line in summary] == [f"HEAD {head[:10]}", f"here {head[:10]}"], out
+    assert all(" round 1: refill (lookahead 1" in line for line in summary), out
+
+
+def test_compare_names_a_revision_that_does_not_exist() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", "compare", "no-such-rev", "--", "fill"],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode != 0
+    assert "git rev-parse --verify no-such-rev^{commit} failed" in done.stderr, done.stderr
