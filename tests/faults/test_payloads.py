@@ -74,16 +74,20 @@ def test_sigkill_a_worker_between_storing_a_payload_and_sending_its_result(fleet
     result = drive_with_fault(fleet, fault_ledger, run_id, when=holding, fault=kill)
     with fault_ledger.session() as session:
         facts = fault_facts(session, run_id)
-        states = dict(session.execute(select(Attempt.id, Attempt.state).where(Attempt.id.in_(held))).all())
-        ended = session.execute(select(Attempt.state, Attempt.error).where(Attempt.id.in_(held))).all()
+        ended = {
+            attempt: (state, error)
+            for attempt, state, error in session.execute(
+                select(Attempt.id, Attempt.state, Attempt.error).where(Attempt.id.in_(held))
+            ).all()
+        }
     stored = assert_nothing_left_behind(fault_ledger, run_id)
     print(facts.line("sigkill-worker-after-storing", result.seconds, held=len(held)))
     assert_nothing_lost(facts, steps=5)
-    assert held and set(states.values()) <= {"failed", "cancelled"}, states
+    assert held and {state for state, _ in ended.values()} <= {"failed", "cancelled"}, ended
     # Reaped when its lease expired, or, when the run completed first (the held attempts were
     # spare ones the run did not need), cancelled with the run's other live attempts.
     why = {"failed": "stopped heartbeating", "cancelled": "run completed"}
-    assert all(why[state] in (error or "") for state, error in ended), ended
+    assert all(why[state] in (error or "") for state, error in ended.values()), ended
     assert not {stored_attempt(name) for name in stored} & set(held)
 
 
