@@ -33,6 +33,11 @@ bare (Celery with no work)
     generate message out, the result message back) with every cost of refill removed.
     `bare 1-hop` (printed for context, not the target) sends the M messages straight to the
     consume-side processes: what one Celery worker does with one no-op message per result.
+    `bare, carrying the group` (context too) is the round trip with work in it: each generate
+    task has the `sim` back-end make the group (`--n` completions of `--tokens` tokens, as the
+    pipeline's workers do) and sends it inline, as JSON, in its result message; the consume side
+    receives (decodes) it and counts. That is Celery moving the group with no ledger, no payload
+    store and no trainer: the design refill's claim checks replace.
 
 Every figure is the median of `--repeat` rounds (phases interleaved); each round is printed.
 """
@@ -91,6 +96,10 @@ def bare_app(broker_url: str, prefix: str):  # type: ignore[no-untyped-def]
 
     @app.task(name=NOOP_GENERATE, bind=True, shared=False)
     def noop_generate(self, body: dict[str, Any]) -> str:  # type: ignore[no-untyped-def]
+        if body.get("tokens"):
+            # The "carrying" phase: the group the sim back-end makes for this prompt, sent
+            # inline as the result (what Celery alone does with a group: no ledger, no store).
+            body = {**body, "result": inline_group(body["i"], body["n"], body["tokens"])}
         self.app.send_task(NOOP_RESULT, args=[body], queue=BARE_RESULTS, routing_key=BARE_RESULTS, serializer="json")
         return "sent"
 
@@ -102,6 +111,32 @@ def bare_app(broker_url: str, prefix: str):  # type: ignore[no-untyped-def]
         return "counted"
 
     return app
+
+
+_engines: dict[int, Any] = {}
+
+
+def inline_group(i: int, n: int, tokens: int) -> dict[str, Any]:
+    """The JSON body of a result of `n` completions of `tokens` tokens, made by the `sim`
+    back-end as the pipeline's workers make theirs, with its rollout inline."""
+    from refill.models.payload import GenerateMessage, ResultMessage
+    from refill.tasks.backends.sim import Latency, SimEngine
+
+    engine = _engines.get(tokens)
+    if engine is None:
+        engine = _engines[tokens] = SimEngine(
+            seed=11, zero_variance_fraction=0.33, latency=Latency("constant", 0.0, 0.0),
+            tokens_per_completion=tokens, virtual=True,
+        )
+    request = GenerateMessage(
+        run_id=1, attempt_id=i + 1, prompt=f"What is {i} + {i}?", row={"i": i}, n=n, temperature=1.0,
+        top_p=1.0, max_new_tokens=max(16, tokens), seed=i, min_weight_version=0,
+    )
+    (output,) = engine.generate([request])
+    return ResultMessage(
+        run_id=1, attempt_id=i + 1, worker="bare", weight_version=0, prompt_token_ids=output.prompt_token_ids,
+        completions=output.completions, rewards=[float(k % 2) for k in range(n)], generation_seconds=0.0,
+    ).to_json()
 
 
 def bare_worker_main(role: str, concurrency: int | None, loglevel: str) -> None:
@@ -160,9 +195,11 @@ class BareFleet:
             }
         )
 
-    def round(self, count: int, *, two_hops: bool = True) -> tuple[float, dict[str, float]]:
+    def round(self, count: int, *, two_hops: bool = True, carry: int = 0) -> tuple[float, dict[str, float]]:
         """Send `count` no-op messages; results per second until the last one was counted,
-        and the CPU ms per result of each group of processes."""
+        and the CPU ms per result of each group of processes. With `carry` tokens, each
+        generate task makes a sim group of `--n` completions of that many tokens and sends it
+        inline in its result message."""
         import redis
 
         client = redis.Redis.from_url(self.redis_url)
@@ -173,7 +210,7 @@ class BareFleet:
             with self.app.producer_or_acquire() as producer:
                 for i in range(count):
                     self.app.send_task(
-                        task, args=[{"counter": counter, "of": count, "i": i}], queue=queue,
+                        task, args=[{"counter": counter, "of": count, "i": i, "n": self.args.n, "tokens": carry}], queue=queue,
                         routing_key=queue, producer=producer, serializer="json",
                     )
             deadline = time.monotonic() + 600
@@ -476,6 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     pipeline: list[PipelineRound] = []
     bare: list[float] = []
     bare_one_hop: list[float] = []
+    bare_carrying: list[float] = []
     with temporary_pg_database("refill_bench") as url:
         upgrade(url)
         refill = PipelineFleet(url, args.redis_url, workdir / "refill", args)
@@ -488,22 +526,27 @@ def main(argv: list[str] | None = None) -> int:
             refill.round(args.prompts_per_step)  # warm-up: engines, connections, caches
             baseline.round(500)
             baseline.round(500, two_hops=False)
+            baseline.round(100, carry=args.tokens)
             for i in range(args.repeat):
                 rate, bare_cpu = baseline.round(expected)
                 bare.append(rate)
                 rate, one_hop_cpu = baseline.round(expected, two_hops=False)
                 bare_one_hop.append(rate)
+                rate, carrying_cpu = baseline.round(expected, carry=args.tokens)
+                bare_carrying.append(rate)
                 measured = refill.round(args.groups)
                 pipeline.append(measured)
                 print(
                     f"  round {i + 1}: refill {measured.rate:8.0f} results/s ({measured.results} in "
                     f"{measured.seconds:.2f} s, reaped {measured.reaped}, invariant violations "
                     f"{len(measured.violations)})   bare round trip {bare[-1]:8.0f}/s   bare 1-hop "
-                    f"{bare_one_hop[-1]:8.0f}/s   load {load_average()}",
+                    f"{bare_one_hop[-1]:8.0f}/s   bare carrying the group {bare_carrying[-1]:8.0f}/s   "
+                    f"load {load_average()}",
                     flush=True,
                 )
                 print("    CPU ms per result: refill " + cpu_line(measured.cpu) + " | bare round trip "
-                      + cpu_line(bare_cpu) + " | bare 1-hop " + cpu_line(one_hop_cpu))
+                      + cpu_line(bare_cpu) + " | bare 1-hop " + cpu_line(one_hop_cpu)
+                      + " | bare carrying " + cpu_line(carrying_cpu))
                 print(f"    redis: {measured.redis}")
                 print("    refill attempt hops, median/p90 ms: " + ", ".join(
                     f"{name} {mid:.0f}/{p90:.0f}" for name, (mid, p90) in measured.hops.items()))
@@ -520,6 +563,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'refill pipeline':28}{ours:12.0f}{'':>16}")
     print(f"{'bare Celery round trip':28}{theirs:12.0f}{ours / theirs:16.2f}   (target >= 1.00)")
     print(f"{'bare Celery 1-hop':28}{one_hop:12.0f}{ours / one_hop:16.2f}   (context)")
+    carrying = statistics.median(bare_carrying)
+    print(f"{'bare, carrying the group':28}{carrying:12.0f}{ours / carrying:16.2f}   (context: the group inline, no ledger)")
     print(f"load average after: {load_average()}")
     if args.keep:
         print(f"logs: {workdir}")
