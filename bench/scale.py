@@ -57,9 +57,6 @@ from refill.models.outbox import prune_relayed  # noqa: E402
 from refill.tasks.backends.sim import Latency  # noqa: E402
 from refill.tasks.relay import PRUNE_EVERY_SECONDS, RELAYED_KEPT_SECONDS  # noqa: E402
 
-#: the server the benchmark creates its database on (REFILL_BENCH_PG_URL, else the tests')
-DEFAULT_SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
-
 
 @dataclass(frozen=True)
 class ScaleScenario(Scenario):
@@ -261,6 +258,25 @@ def _private_kib(pid: int) -> int | None:
 # --- the database -------------------------------------------------------------------------
 
 
+def own_server(workdir: Path) -> Any:
+    """A PostgreSQL cluster of this run's own, with initdb's defaults (autovacuum on, fsync on):
+    the server as deployed, not one tuned for tests. Needs the server binaries (as the tests)."""
+    from tests.support.services import ThrowawayPostgres
+
+    server = ThrowawayPostgres(workdir, options="")
+    server.start()
+    return server
+
+
+def autovacuum_off(url: str) -> bool:
+    engine = create_engine(url)
+    try:
+        with engine.connect() as connection:
+            return str(connection.execute(text("SHOW autovacuum")).scalar()) == "off"
+    finally:
+        engine.dispose()
+
+
 def temporary_database(server: str) -> tuple[str, Any]:
     name = f"refill_scale_{os.getpid()}_{uuid.uuid4().hex[:6]}"
     admin = create_engine(server, isolation_level="AUTOCOMMIT")
@@ -460,7 +476,11 @@ def main(argv: list[str] | None = None) -> int:
         help="virtual seconds the consumer waits after a batch's first result (its max_wait_ms; at most 64 a batch)",
     )
     parser.add_argument("--dataset", type=int, default=20_000, help="prompts in the (cycled) data set")
-    parser.add_argument("--server", default=None, help="PostgreSQL admin URL (default REFILL_BENCH_PG_URL, REFILL_TEST_PG_URL, local)")
+    parser.add_argument(
+        "--server", default=None,
+        help="PostgreSQL admin URL to create the database on (default REFILL_BENCH_PG_URL; without either, a "
+        "cluster of the run's own with initdb's defaults is started)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the database (its name is printed)")
     parser.add_argument(
         "--weights", action="store_true", help="instead: time publishing and loading weight versions (see weights_main)"
@@ -494,7 +514,27 @@ def main(argv: list[str] | None = None) -> int:
         steps=steps,
         max_lookahead_versions=args.lookahead,
     )
-    server = args.server or os.environ.get("REFILL_BENCH_PG_URL") or os.environ.get("REFILL_TEST_PG_URL") or DEFAULT_SERVER
+    server = args.server or os.environ.get("REFILL_BENCH_PG_URL")
+    if args.keep and server is None:
+        parser.error("--keep needs --server or REFILL_BENCH_PG_URL: the run's own cluster is removed when it ends")
+    cluster, workdir = None, None
+    if server is None:
+        import shutil
+        import tempfile
+
+        workdir = Path(tempfile.mkdtemp(prefix="refill-bench-scale-"))
+        cluster = own_server(workdir)
+        server = cluster.url
+    try:
+        return _run(args, scenario, server, own=cluster is not None)
+    finally:
+        if cluster is not None:
+            cluster.stop()
+        if workdir is not None:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _run(args: argparse.Namespace, scenario: Scenario, server: str, *, own: bool) -> int:
     url, handle = temporary_database(server)
     print("refill bench scale: the production ledger on PostgreSQL in virtual time, measured per tenth of the run")
     print(
@@ -503,7 +543,15 @@ def main(argv: list[str] | None = None) -> int:
         f"consumer window {args.batch_window:g} s, "
         f"data set {args.dataset} prompts (cycled); load average {os.getloadavg()[0]:.2f}"
     )
-    print(f"  database {make_url(url).database}{' (kept)' if args.keep else ''}", flush=True)
+    where = "a cluster of its own (initdb's defaults)" if own else make_url(server).render_as_string(hide_password=True)
+    print(f"  database {make_url(url).database}{' (kept)' if args.keep else ''} on {where}", flush=True)
+    if autovacuum_off(url):
+        print(
+            "  WARNING: this server runs with autovacuum off: the hot tables' dead rows are never reclaimed, so a "
+            "long run's cost grows with them as it would on no production server. Use a server with autovacuum on "
+            "(leave out --server and REFILL_BENCH_PG_URL to start one).",
+            flush=True,
+        )
     began = time.perf_counter()
     fleet = None
     try:

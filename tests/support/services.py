@@ -125,6 +125,10 @@ class ThrowawayPostgres:
     port: int = field(default_factory=free_port)
     run_as: str | None = None
     executor: PostgreSQLExecutor | None = None
+    #: server options on top of initdb's defaults. A throwaway cluster for tests: durability
+    #: buys them nothing and costs them time. A benchmark that measures a server as deployed
+    #: passes "" (`bench scale`).
+    options: str = "-c fsync=off -c synchronous_commit=off -c full_page_writes=off"
 
     @property
     def url(self) -> str:
@@ -153,8 +157,7 @@ class ThrowawayPostgres:
             startparams="-w",
             dbname="postgres",
             user="postgres",
-            # A throwaway cluster: durability buys the tests nothing, and costs them time.
-            postgres_options="-c fsync=off -c synchronous_commit=off -c full_page_writes=off",
+            postgres_options=self.options,
         )
         self.executor.start()
 
