@@ -188,7 +188,12 @@ class ScaleFleet(VirtualFleet):
                 connection.execute(
                     # The fleet is one thread: its transactions and this query share one pooled
                     # connection, whose backend is the one measured.
-                    text("SELECT pid FROM pg_stat_activity WHERE datname = current_database()")
+                    # Client backends only: an autovacuum worker shows up here while it runs, and
+                    # its CPU is the server's housekeeping, not the ledger's transactions.
+                    text(
+                        "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+                        "AND backend_type = 'client backend'"
+                    )
                 ).scalars()
             )
 
