@@ -35,6 +35,7 @@ import heapq
 import math
 import os
 import resource
+import signal
 import sys
 import time
 import uuid
@@ -520,6 +521,8 @@ def main(argv: list[str] | None = None) -> int:
         max_lookahead_versions=args.lookahead,
     )
     server = args.server or os.environ.get("REFILL_BENCH_PG_URL")
+    # A run stopped with SIGTERM still drops its database and stops its own cluster.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.keep and server is None:
         parser.error("--keep needs --server or REFILL_BENCH_PG_URL: the run's own cluster is removed when it ends")
     cluster, workdir = None, None
