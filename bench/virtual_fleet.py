@@ -373,7 +373,10 @@ class VirtualFleet:
 
     def generate(self, message: GenerateMessage, version: int) -> tuple[ResultMessage, float]:
         """What `GenerationService._generate` does, on the sim engine in virtual mode."""
-        self.engine.load_weights(version, None)
+        if self.engine.weight_version != version:
+            # As a worker's engine does (engine_batching): new weights when a version is
+            # published, not per attempt (the sim engine records each load it is given).
+            self.engine.load_weights(version, None)
         (output,) = self.engine.generate([message])
         if isinstance(output, Exception):  # the benchmark injects no failures
             raise output
