@@ -368,6 +368,18 @@ class Group(Base):
     __table_args__ = (
         Index(None, "run_id", "trained_step"),
         Index(None, "run_id", "parked"),
+        # Parked groups by weight version: every batch reads those still fresh enough to lend
+        # (and over-dispatch counts them). A parked group too stale to train stays parked for
+        # good, so (run_id, parked) walked every one the run ever parked: 15,000 rows per
+        # batch, 14 ms, after 700,000 attempts (`bench scale`).
+        Index(
+            "ix_groups_parked_version",
+            "run_id",
+            "weight_version",
+            "attempt_id",
+            postgresql_where=text("parked IS true"),
+            sqlite_where=text("parked IS true"),
+        ),
         # The payload is inline (rollout, texts) or in the run's payload store, never both.
         CheckConstraint(
             "(payload_ref IS NULL) = (rollout IS NOT NULL) AND (payload_ref IS NULL) = (completion_texts IS NOT NULL)"

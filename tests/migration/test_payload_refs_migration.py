@@ -31,7 +31,8 @@ def url(request, tmp_path):  # type: ignore[no-untyped-def]
 def _claim_checked_run(url: str, run_dir: Path) -> tuple[Ledger, Driver, dict[int, tuple[list[int], list[Completion]]]]:
     """A run whose step 0 holds two claim-checked groups and two inline ones."""
     ledger = Ledger(url)
-    upgrade(ledger.engine)
+    # At the revision under test: a later one's downgrade would run (and roll back) with it.
+    upgrade(ledger.engine, "0009")
     d = Driver(ledger, check=False)
     ledger.transaction(lambda s: s.execute(update(Run).where(Run.id == d.run_id).values(run_dir=str(run_dir))))
     d.admit()
