@@ -160,6 +160,9 @@ class ThrowawayPostgres:
             postgres_options=self.options,
         )
         self.executor.start()
+        # The executor returns once pg_ctl reports a server process, which may still be
+        # starting up ("the database system is starting up", seen by bench scale's first query).
+        self.wait_accepting()
 
     def restart(self, down_seconds: float) -> float:
         """Stop the server (`pg_ctl stop -m fast`: every connection is dropped at once, as in a
