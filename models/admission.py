@@ -27,7 +27,7 @@ def admit_steps(session: Session, run_id: int, now: datetime | None = None) -> A
     """Admit every step the gate allows; draw the spare pool up to its mark."""
     ctx = RunContext.open(session, run_id, now)
     result = Admitted(steps=admit(ctx))
-    session.flush()
+    ctx.flush()
     result.outbox_ids = ctx.outbox_ids
     return result
 
@@ -81,9 +81,8 @@ def open_step(ctx: RunContext, step: int, prompt_ids: list[int]) -> Step:
         train_claims=0,
     )
     ctx.session.add(row)
-    # Rows are addressed by key (no ORM relationships), and the slots below are not ORM
-    # objects: the step must be in the database before its slots.
-    ctx.session.flush()
+    # The step must be in the database before its slots.
+    ctx.flush()
     ctx.session.execute(
         insert(Slot.__table__),
         [

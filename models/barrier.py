@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from refill.models import decisions, metrics
 from refill.models.context import RunContext
-from refill.models.tables import Outbox, OutboxKind, Step, StepStatus
+from refill.models.tables import OutboxKind, Step, StepStatus
 
 
 def maybe_release(ctx: RunContext, step: Step) -> bool:
@@ -37,14 +37,13 @@ def maybe_release(ctx: RunContext, step: Step) -> bool:
 
 def queue_training(ctx: RunContext, step: int, delay_seconds: float = 0.0) -> None:
     """The outbox row of step `step`'s `train_step` message."""
-    row = Outbox(
-        **ctx.ids.ids("outbox"),
-        run_id=ctx.run.id,
-        kind=OutboxKind.TRAIN_STEP.value,
-        step=step,
-        payload={"run_id": ctx.run.id, "step": step},
-        created_at=ctx.now,
-        available_at=ctx.later(delay_seconds),
+    ctx.new_outbox(
+        {
+            "run_id": ctx.run.id,
+            "kind": OutboxKind.TRAIN_STEP.value,
+            "step": step,
+            "payload": {"run_id": ctx.run.id, "step": step},
+            "created_at": ctx.now,
+            "available_at": ctx.later(delay_seconds),
+        }
     )
-    ctx.session.add(row)
-    ctx.outbox.append(row)

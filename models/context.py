@@ -1,15 +1,20 @@
 """The unit of work of one run inside one transaction.
 
 A `RunContext` is what every ledger operation that changes scheduling state works through:
-the locked run row, its settings and sampler, the transaction's clock, and the outbox rows it
-wrote (so a caller can relay them at once after commit instead of waiting for the relay's
-next tick).
+the locked run row, its settings and sampler, the transaction's clock, the rows it reads and
+makes (`rows`, a `models.rows.RowStore`: plain rows read and written with Core, see there why),
+and the outbox rows it wrote (so a caller can relay them at once after commit instead of
+waiting for the relay's next tick).
 
 It also keeps what a batch of decisions reads again and again — the spare pool, the groups a
 slot may borrow, the slots waiting on a replacement — loaded once per transaction and updated
 as the batch changes them. Because the run's row is locked, nothing else changes them
-meanwhile; entries are still checked against the session's objects when used, so a stale
-entry is skipped rather than trusted.
+meanwhile; entries are still checked against the rows when used, so a stale entry is skipped
+rather than trusted.
+
+The run and its steps stay ORM objects (a handful per transaction, written by the session's
+flush); `flush` writes the rows, then the session's objects. A context's rows are written at
+the latest when its transaction commits (`_before_commit`).
 """
 
 from __future__ import annotations
@@ -18,17 +23,17 @@ from bisect import bisect_left, insort
 from collections import deque
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import Any
 
-from sqlalchemy import and_, bindparam, event, func, insert, inspect, or_, select, update
+from sqlalchemy import and_, bindparam, event, func, insert, or_, select, update
 from sqlalchemy.orm import Session
-from sqlalchemy.orm.attributes import NO_VALUE, flag_modified, set_committed_value
 from sqlalchemy.orm.util import identity_key
 
-from refill.models.bulk_update import write_changed_rows
 from refill.models.clock import ledger_now
 from refill.models.clock import utcnow as utcnow  # re-exported: where its importers find it
 from refill.models.db import lock_run
 from refill.models.ids import IdBlocks
+from refill.models.rows import AttemptRow, GroupRow, OutboxRow, RowStore, SlotRow, SpareRow
 from refill.models.samplers import GroupView, Sampler
 from refill.models.settings import LedgerSettings, settings_for
 from refill.models.tables import (
@@ -36,7 +41,6 @@ from refill.models.tables import (
     AttemptReason,
     AttemptState,
     Group,
-    Outbox,
     Run,
     RunStatus,
     Slot,
@@ -66,59 +70,21 @@ _STEP_OPEN = StepStatus.OPEN.value
 _LIVE = tuple(s.value for s in AttemptState.live())
 _EXTRA = AttemptReason.EXTRA.value
 
-
-#: Columns a flush may write for a changed row of these tables although they did not change:
-#: the ORM groups the rows of an UPDATE by the set of columns that changed, one statement (one
-#: round trip) per group, so a batch whose rows changed in a dozen different ways cost a dozen
-#: round trips per table. When the rows of a table changed in more than one way, each is
-#: written with the union of the columns that changed. Only columns that no transaction
-#: without the run's lock writes are listed (a worker's lease handshake and heartbeats write
-#: other columns of an attempt), so writing a loaded value back is writing the current one.
-_UNIFORM_COLUMNS: dict[type, tuple[str, ...]] = {
-    Slot: (
-        "status", "group_attempt_id", "shrink_reason", "needs_replacement", "filtered",
-        "filter_replacements", "infra_failures", "data_failures", "drops", "drop_replacements",
-        "borrowed_in", "lent_out", "attempts", "settled_at",
-    ),
-    Attempt: (
-        "state", "failure_kind", "error", "finished_at", "weight_version", "generation_seconds",
-        "rewards", "reward_mean", "reward_min", "reward_max", "zero_variance", "num_tokens",
-    ),
-}
+#: The columns read into rows. A group's payload columns are left out: a group is moved and
+#: lent by its other columns, and only the trainer's claim reads its payload.
+SLOT_COLUMNS = tuple(Slot.__table__.c)
+ATTEMPT_COLUMNS = tuple(Attempt.__table__.c)
+GROUP_COLUMNS = tuple(c for c in Group.__table__.c if c.key not in ("rollout", "completion_texts"))
+SPARE_COLUMNS = tuple(SparePrompt.__table__.c)
+# The tables, not the ORM classes, in the queries of the hot paths: a statement that names an
+# ORM attribute is compiled and its result set up by the ORM's machinery, even for columns.
+_slots, _groups, _steps, _spares = Slot.__table__, Group.__table__, Step.__table__, SparePrompt.__table__
 
 
-def _before_flush(session: Session, flush_context, instances) -> None:  # type: ignore[no-untyped-def]
-    for ctx in session.info.get("refill_contexts", ()):
-        ctx.apply_releases()
-    changed: dict[type, list[tuple[object, frozenset[str]]]] = {}
-    for obj in session.dirty:
-        columns = _UNIFORM_COLUMNS.get(type(obj))
-        if columns is None:
-            continue
-        state = inspect(obj)
-        committed, loaded = state.committed_state, state.dict
-        # As the flush decides it: an attribute set to the value it already had is not
-        # written (so `slot.needs_replacement = False` on a slot that did not need one would
-        # split the slots' UPDATE in two).
-        keys = frozenset(
-            name
-            for name in committed.keys() & columns
-            if committed[name] is NO_VALUE or name not in loaded or committed[name] != loaded[name]
-        )
-        if keys:
-            changed.setdefault(type(obj), []).append((obj, keys))
-    for rows in changed.values():
-        if len({keys for _, keys in rows}) < 2:
-            continue  # one UPDATE already
-        union = frozenset().union(*(keys for _, keys in rows))
-        for obj, keys in rows:
-            loaded = inspect(obj).dict
-            for name in union - keys:
-                if name in loaded:
-                    flag_modified(obj, name)
-    # On PostgreSQL the slots', attempts' and spare prompts' changes go out as one UPDATE per
-    # table here; the flush then writes what is left (inserts, and the few rows of the others).
-    write_changed_rows(session, (Slot, Attempt, SparePrompt))
+def _before_commit(session: Session) -> None:
+    contexts, session.info["refill_contexts"] = session.info.get("refill_contexts", []), []
+    for ctx in contexts:
+        ctx.flush()
 
 
 def literal_in(column, values):  # type: ignore[no-untyped-def]
@@ -145,7 +111,7 @@ def literal(value):  # type: ignore[no-untyped-def]
     return bindparam(None, value, literal_execute=True)
 
 
-def _slot_index(slot: Slot) -> int:
+def _slot_index(slot: SlotRow) -> int:
     return slot.idx
 
 
@@ -156,19 +122,21 @@ class RunContext:
     settings: LedgerSettings
     sampler: Sampler
     now: datetime
-    outbox: list[Outbox] = field(default_factory=list)
-    #: ids of outbox rows written without ORM objects (admission's, `IdBlocks.insert`)
+    #: the slots, attempts, groups and spare prompts this operation read or made
+    rows: RowStore = field(default=None)  # type: ignore[assignment]
+    outbox: list[OutboxRow] = field(default_factory=list)
+    #: ids of outbox rows written in bulk (admission's, `IdBlocks.insert`)
     bulk_outbox_ids: list[int] = field(default_factory=list)
     #: live slot-bound attempts created in this transaction, by the slot they serve: no other
     #: transaction can see them yet, so they can be re-aimed in memory.
-    new_live: dict[tuple[int, int], Attempt] = field(default_factory=dict)
+    new_live: dict[tuple[int, int], AttemptRow] = field(default_factory=dict)
     _pending_releases: list[tuple[int, int]] = field(default_factory=list)
     #: attempts that finished in this transaction while serving their open slot: they keep
     #: the slot when it is later handed to an extra (they are part of its history)
     served_slot: set[int] = field(default_factory=set)
     #: running slot attempts whose weights are too old for a later step (overdispatch)
     old_running: dict[tuple[int, int], int] | None = None
-    _spares_db: deque[SparePrompt] | None = None
+    _spares_db: deque[SpareRow] | None = None
     _spares_db_done: bool = False
     _spares_last_id: int = 0
     #: lendable groups: parked ones, committed ones in (step desc, attempt desc) order as
@@ -176,24 +144,22 @@ class RunContext:
     _lendable_parked: list[GroupView] | None = None
     _lendable_committed: list[GroupView] = field(default_factory=list)
     _lendable_added: list[GroupView] = field(default_factory=list)
-    _waiting: dict[tuple[int, int], Slot] | None = None
+    _waiting: dict[tuple[int, int], SlotRow] | None = None
     #: the same slots by step, each step's sorted by index, for placements that look only at
     #: the first few of the earlier steps
-    _waiting_by_step: dict[int, list[Slot]] = field(default_factory=dict)
+    _waiting_by_step: dict[int, list[SlotRow]] = field(default_factory=dict)
     #: the last (step, idx) loaded when the stored waiting slots were more than were loaded
     _waiting_loaded_to: tuple[int, int] | None = None
     #: rows the waiting and lendable caches load (see `size_caches`)
     _waiting_chunk: int = CHUNK
     _lendable_chunk: int = CHUNK
     #: a prefix (in placement order) of the open slots of open steps, and whether more exist
-    _open_slots: list[Slot] | None = None
+    _open_slots: list[SlotRow] | None = None
     _open_slots_truncated: bool = False
     #: Step rows by number, as step_open found them
     _steps: dict[int, Step] = field(default_factory=dict)
-    #: groups committed in this transaction (not flushed yet, so not found by session.get)
-    new_groups: dict[int, Group] = field(default_factory=dict)
-    #: strong references to rows loaded in bulk: the session's identity map holds objects
-    #: weakly, and a preloaded row that is dropped would be fetched again one by one.
+    #: strong references to the steps loaded in bulk: the session's identity map holds
+    #: objects weakly, and a preloaded row that is dropped would be fetched again one by one.
     pinned: list[object] = field(default_factory=list)
     #: ids for the attempts, outbox rows and spare prompts this transaction creates (set by
     #: `open`)
@@ -211,18 +177,35 @@ class RunContext:
         session.autoflush = False
         if "refill_contexts" not in session.info:
             session.info["refill_contexts"] = []
-            event.listen(session, "before_flush", _before_flush)
+            event.listen(session, "before_commit", _before_commit)
         run = lock_run(session, run_id)
         settings = settings_for(run)
         # The database's clock unless the caller brings its own (a test's, a simulation's).
         now = now or ledger_now(session)
-        ctx = cls(session, run, settings, settings.sampler(), now, ids=IdBlocks.for_session(session))
+        ctx = cls(
+            session, run, settings, settings.sampler(), now, rows=RowStore(session), ids=IdBlocks.for_session(session)
+        )
         session.info["refill_contexts"].append(ctx)
         return ctx
 
+    def flush(self) -> None:
+        """Write this operation's changes so far: the rows (models/rows.py), then the run's
+        and the steps' ORM objects. Called before a query that must see them."""
+        self.apply_releases()
+        self.rows.write()
+        self.session.flush()
+
+    def new_attempt(self, values: dict[str, Any]) -> AttemptRow:
+        return self.rows.new(AttemptRow, {**self.ids.ids("attempts"), **values})
+
+    def new_outbox(self, values: dict[str, Any]) -> OutboxRow:
+        row: OutboxRow = self.rows.new(OutboxRow, {**self.ids.ids("outbox"), **values})
+        self.outbox.append(row)
+        return row
+
     # --- stored attempts handed over to their step ------------------------------------------
 
-    def release_later(self, slot: Slot) -> None:
+    def release_later(self, slot: SlotRow) -> None:
         """The stored live attempt serving `slot` becomes an extra of its step (slot_idx NULL,
         reason 'extra'), written with the batch's other changes: one statement for all the
         slots a batch fills with extras, at the next flush, instead of one per slot.
@@ -239,21 +222,20 @@ class RunContext:
             return
         keys, self._pending_releases = set(self._pending_releases), []
         finished_here = []
-        for obj in list(self.session.identity_map.values()):
+        for row in self.rows.attempts.values():
             if (
-                isinstance(obj, Attempt)
-                and (obj.step, obj.slot_idx) in keys
-                and obj.state not in _LIVE
-                and obj.id not in self.served_slot
+                (row.step, row.slot_idx) in keys
+                and row.state not in _LIVE
+                and row.id not in self.served_slot
                 # finished in memory, still live in the database: not one that finished in an
                 # earlier transaction and was only loaded here (a repeated result loads it)
-                and inspect(obj).committed_state.get("state") in _LIVE
+                and self.rows.saved(row, "state") in _LIVE
             ):
                 # It finished after the slot was filled: it ran as an extra. Its own changes
-                # are written by this flush.
-                finished_here.append(obj.id)
-                obj.slot_idx = None
-                obj.reason = _EXTRA
+                # are written with the rows.
+                finished_here.append(row.id)
+                row.slot_idx = None
+                row.reason = _EXTRA
         table = Attempt.__table__
         query = update(table).where(
             table.c.run_id == self.run.id,
@@ -266,10 +248,7 @@ class RunContext:
             query = query.where(~literal_in(table.c.id, settled))
         moved = self.session.execute(query.values(slot_idx=None, reason=_EXTRA).returning(table.c.id)).scalars()
         for attempt_id in moved:
-            obj = self.session.identity_map.get(identity_key(Attempt, attempt_id))
-            if obj is not None:
-                set_committed_value(obj, "slot_idx", None)
-                set_committed_value(obj, "reason", _EXTRA)
+            self.rows.patched(AttemptRow, attempt_id, slot_idx=None, reason=_EXTRA)
 
     @property
     def running(self) -> bool:
@@ -284,21 +263,24 @@ class RunContext:
             raise LookupError(f"run {self.run.id} has no step {step}")
         return row
 
-    def slot(self, step: int, idx: int) -> Slot:
-        row = self.session.get(Slot, (self.run.id, step, idx))
+    def slot(self, step: int, idx: int) -> SlotRow:
+        row = self.rows.slots.get((step, idx))
         if row is None:
-            raise LookupError(f"run {self.run.id} has no slot ({step}, {idx})")
+            found = self.rows.load(
+                SlotRow, select(*SLOT_COLUMNS).where(_slots.c.run_id == self.run.id, _slots.c.step == step, _slots.c.idx == idx)
+            )
+            if not found:
+                raise LookupError(f"run {self.run.id} has no slot ({step}, {idx})")
+            row = found[0]
         return row
 
-    def group(self, attempt_id: int) -> Group | None:
-        found = self.new_groups.get(attempt_id)
-        if found is None:
-            found = self.session.get(Group, attempt_id)
-            if found is not None:
-                # Kept in the session for the transaction: `still_lendable` reads a moved
-                # group's state from it.
-                self.pinned.append(found)
-        return found
+    def group(self, attempt_id: int) -> GroupRow | None:
+        """A committed group (its payload columns left out), or None."""
+        row = self.rows.groups.get(attempt_id)
+        if row is None:
+            found = self.rows.load(GroupRow, select(*GROUP_COLUMNS).where(_groups.c.attempt_id == attempt_id))
+            row = found[0] if found else None
+        return row
 
     def step_open(self, step: int) -> bool:
         # Called for every candidate slot of every placement: the row is looked up once per
@@ -340,7 +322,7 @@ class RunContext:
         # Their ids are above every spare loaded so far: the next load finds them.
         self._spares_db_done = False
 
-    def next_spare(self) -> SparePrompt | None:
+    def next_spare(self) -> SpareRow | None:
         """The oldest untaken spare, in id order (the order they were added in)."""
         while not self._spares_db_done:
             if self._spares_db:
@@ -354,18 +336,17 @@ class RunContext:
             self._load_spares()
 
     def _load_spares(self) -> None:
-        self.session.flush()
-        rows = list(
-            self.session.scalars(
-                select(SparePrompt)
-                .where(
-                    SparePrompt.run_id == self.run.id,
-                    SparePrompt.taken_at.is_(None),
-                    SparePrompt.id > self._spares_last_id,
-                )
-                .order_by(SparePrompt.id)
-                .limit(SPARE_CHUNK)
+        self.flush()
+        rows = self.rows.load(
+            SpareRow,
+            select(*SPARE_COLUMNS)
+            .where(
+                _spares.c.run_id == self.run.id,
+                _spares.c.taken_at.is_(None),
+                _spares.c.id > self._spares_last_id,
             )
+            .order_by(_spares.c.id)
+            .limit(SPARE_CHUNK),
         )
         self._spares_db = deque(r for r in rows if r.taken_at is None)
         if rows:
@@ -404,44 +385,44 @@ class RunContext:
         none is open.
         """
         if self._lendable_parked is None:
-            self.session.flush()
+            self.flush()
             earliest_open = (
-                select(func.min(Step.step))
-                .where(Step.run_id == self.run.id, Step.status == _STEP_OPEN)
+                select(func.min(_steps.c.step))
+                .where(_steps.c.run_id == self.run.id, _steps.c.status == _STEP_OPEN)
                 .scalar_subquery()
             )
-            rows = self.session.execute(
-                select(Slot, Group.weight_version)
-                .join(Group, Group.attempt_id == Slot.group_attempt_id)
-                .join(Step, (Step.run_id == Slot.run_id) & (Step.step == Slot.step))
+            rows = self.rows.load_with(
+                SlotRow,
+                select(*SLOT_COLUMNS, _groups.c.weight_version.label("lender_version"))
+                .join(_groups, _groups.c.attempt_id == _slots.c.group_attempt_id)
+                .join(_steps, (_steps.c.run_id == _slots.c.run_id) & (_steps.c.step == _slots.c.step))
                 .where(
-                    Slot.run_id == self.run.id,
-                    Slot.status == _SLOT_COMMITTED,
-                    Step.status == _STEP_OPEN,
-                    Slot.step > earliest_open,
+                    _slots.c.run_id == self.run.id,
+                    _slots.c.status == _SLOT_COMMITTED,
+                    _steps.c.status == _STEP_OPEN,
+                    _slots.c.step > earliest_open,
                 )
-                .order_by(Slot.step.desc(), Slot.group_attempt_id.desc())
-                .limit(self._lendable_chunk)
-            ).all()
-            # Two columns, not the groups: a group's payload is large and only the one a
-            # slot borrows is loaded (by `group`, when it moves). A parked group too stale for
-            # the earliest open step can serve none (it stays parked, unused, for good): left
-            # out, or the oldest-first prefix would fill up with them as a run goes on and
-            # hide every group still lendable.
+                .order_by(_slots.c.step.desc(), _slots.c.group_attempt_id.desc())
+                .limit(self._lendable_chunk),
+            )
+            # Two columns, not the groups: only the group a slot borrows is loaded (by
+            # `group`, when it moves). A parked group too stale for the earliest open step can
+            # serve none (it stays parked, unused, for good): left out, or the oldest-first
+            # prefix would fill up with them as a run goes on and hide every group still
+            # lendable.
             parked = self.session.execute(
-                select(Group.attempt_id, Group.weight_version)
+                select(_groups.c.attempt_id, _groups.c.weight_version)
                 .where(
-                    Group.run_id == self.run.id,
-                    Group.parked.is_(True),
-                    Group.weight_version >= earliest_open - self.settings.max_lookahead_versions,
+                    _groups.c.run_id == self.run.id,
+                    _groups.c.parked.is_(True),
+                    _groups.c.weight_version >= earliest_open - self.settings.max_lookahead_versions,
                 )
-                .order_by(Group.weight_version, Group.attempt_id)
+                .order_by(_groups.c.weight_version, _groups.c.attempt_id)
                 .limit(self._lendable_chunk)
             ).all()
-            self.pin([slot for slot, _ in rows])
             self._lendable_parked = [GroupView(g.attempt_id, g.weight_version, None, None) for g in parked]
             self._lendable_committed = [
-                GroupView(slot.group_attempt_id, version, slot.step, slot.idx) for slot, version in rows
+                GroupView(slot.group_attempt_id, version, slot.step, slot.idx) for slot, (version,) in rows
             ]
         return self._lendable_parked, self._lendable_committed, self._lendable_added
 
@@ -452,50 +433,46 @@ class RunContext:
     def still_lendable(self, view: GroupView) -> bool:
         if view.step is None:
             # Parked when the cache was loaded (or parked since, then in memory); only this
-            # transaction can have moved it, through the object in the session.
-            group = self.new_groups.get(view.attempt_id) or self.session.identity_map.get(
-                identity_key(Group, view.attempt_id)
-            )
+            # transaction can have moved it, and then its row is here.
+            group = self.rows.groups.get(view.attempt_id)
             return group is None or bool(group.parked)
-        slot = self.session.get(Slot, (self.run.id, view.step, view.idx))
+        slot = self.slot(view.step, view.idx)
         return (
-            slot is not None
-            and slot.status == _SLOT_COMMITTED
+            slot.status == _SLOT_COMMITTED
             and slot.group_attempt_id == view.attempt_id
             and self.step_open(view.step)
         )
 
-    def _load_open_slots(self, *conditions, order_by: tuple, limit: int) -> list[Slot]:  # type: ignore[no-untyped-def]
+    def _load_open_slots(self, *conditions, order_by: tuple, limit: int) -> list[SlotRow]:  # type: ignore[no-untyped-def]
         """Open slots of open steps (and `conditions`), as stored after a flush."""
-        self.session.flush()
-        return list(
-            self.session.scalars(
-                select(Slot)
-                .join(Step, (Step.run_id == Slot.run_id) & (Step.step == Slot.step))
-                .where(Slot.run_id == self.run.id, Slot.status == literal(_SLOT_OPEN), Step.status == _STEP_OPEN, *conditions)
-                .order_by(*order_by)
-                .limit(limit)
-            )
+        self.flush()
+        return self.rows.load(
+            SlotRow,
+            select(*SLOT_COLUMNS)
+            .join(_steps, (_steps.c.run_id == _slots.c.run_id) & (_steps.c.step == _slots.c.step))
+            .where(_slots.c.run_id == self.run.id, _slots.c.status == literal(_SLOT_OPEN), _steps.c.status == _STEP_OPEN, *conditions)
+            .order_by(*order_by)
+            .limit(limit),
         )
 
     # --- slots waiting on a replacement ----------------------------------------------------
 
-    def waiting(self) -> dict[tuple[int, int], Slot]:
+    def waiting(self) -> dict[tuple[int, int], SlotRow]:
         """Open slots of open steps whose own prompt was filtered or dropped."""
         if self._waiting is None:
             rows = self._load_open_slots(
-                Slot.needs_replacement.is_(True), order_by=(Slot.step, Slot.idx), limit=self._waiting_chunk
+                _slots.c.needs_replacement.is_(True), order_by=(_slots.c.step, _slots.c.idx), limit=self._waiting_chunk
             )
             self._waiting = {}
             self._waiting_by_step = {}
             self._waiting_loaded_to = (rows[-1].step, rows[-1].idx) if len(rows) == self._waiting_chunk else None
-            for slot in self.pin(list(rows)):
+            for slot in rows:
                 # In (step, idx) order: appended, not sorted in.
                 self._waiting[(slot.step, slot.idx)] = slot
                 self._waiting_by_step.setdefault(slot.step, []).append(slot)
         return self._waiting
 
-    def waiting_up_to(self, max_step: int, limit: int) -> list[Slot]:
+    def waiting_up_to(self, max_step: int, limit: int) -> list[SlotRow]:
         """The first `limit` waiting slots, in (step, index) order, of steps up to `max_step`
         (a placement looks at the first few of the earlier steps; scanning every waiting slot
         for each group would make a batch cost O(n^2)).
@@ -505,7 +482,7 @@ class RunContext:
         it is loaded again (after a flush, so the slots settled since drop out)."""
         for _ in range(2):
             self.waiting()
-            found: list[Slot] = []
+            found: list[SlotRow] = []
             for step in sorted(self._waiting_by_step):
                 if step > max_step or len(found) >= limit:
                     break
@@ -527,7 +504,7 @@ class RunContext:
 
     # --- open slots, for placements that may take any of them ---------------------------------
 
-    def open_slots(self, max_step: int, limit: int) -> list[Slot]:
+    def open_slots(self, max_step: int, limit: int) -> list[SlotRow]:
         """The first `limit` open slots of open steps up to `max_step` in (step, index) order,
         as the database would return them after a flush, without a flush and a query per
         placement.
@@ -544,11 +521,11 @@ class RunContext:
         `max_step`, or is the whole set, its usable slots are the answer; otherwise it is
         loaded again.
         """
-        found: list[Slot] = []
+        found: list[SlotRow] = []
         for _ in range(2):
             if self._open_slots is None:
-                rows = self._load_open_slots(order_by=(Slot.step, Slot.idx), limit=OPEN_CHUNK)
-                self._open_slots = self.pin(list(rows))
+                rows = self._load_open_slots(order_by=(_slots.c.step, _slots.c.idx), limit=OPEN_CHUNK)
+                self._open_slots = rows
                 self._open_slots_truncated = len(rows) == OPEN_CHUNK
             # A scan that stops at the answer: this runs for every placement of a batch, and
             # the prefix is about a batch long.
@@ -582,7 +559,7 @@ class RunContext:
             self._open_slots = None
         return found
 
-    def waiting_added(self, slot: Slot) -> None:
+    def waiting_added(self, slot: SlotRow) -> None:
         if self._waiting is not None:
             key = (slot.step, slot.idx)
             if key in self._waiting:
@@ -590,7 +567,7 @@ class RunContext:
             self._waiting[key] = slot
             insort(self._waiting_by_step.setdefault(slot.step, []), slot, key=_slot_index)
 
-    def waiting_removed(self, slot: Slot) -> None:
+    def waiting_removed(self, slot: SlotRow) -> None:
         if self._waiting is not None and self._waiting.pop((slot.step, slot.idx), None) is not None:
             by_step = self._waiting_by_step[slot.step]
             del by_step[bisect_left(by_step, slot.idx, key=_slot_index)]

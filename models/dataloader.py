@@ -23,7 +23,8 @@ from sqlalchemy import func, insert, select
 from refill.models import decisions, skipping
 from refill.models.context import RunContext, literal_in
 from refill.models.decisions import spare_refill_needed
-from refill.models.tables import Attempt, Prompt, PromptDraw, SparePrompt, Step, StepStatus
+from refill.models.rows import AttemptRow, SpareRow
+from refill.models.tables import Prompt, PromptDraw, Step, StepStatus
 
 #: Places read ahead per query under skipping: at least this many, else twice what is still
 #: wanted (about what a half-skipping loader needs; more is read only when it runs short).
@@ -83,7 +84,7 @@ def _draw_skipping(ctx: RunContext, count: int, step: int | None) -> list[int]:
     run, settings = ctx.run, ctx.settings
     skip = skipping.skip_settings(run)
     # The history must hold the groups this transaction scored: a flush, once per draw.
-    ctx.session.flush()
+    ctx.flush()
     if step is None:
         step = _spare_pool_step(ctx)
     rates = skipping.exploration_rates(run, skip)
@@ -159,7 +160,7 @@ def add_to_pool(ctx: RunContext, prompt_ids: list[int]) -> None:
     )
 
 
-def take_spare(ctx: RunContext) -> SparePrompt | None:
+def take_spare(ctx: RunContext) -> SpareRow | None:
     """The oldest spare prompt, or None when the pool is dry and the loader exhausted."""
     if ctx.spare_count == 0:
         # Only reachable when the mark is below one batch and the last take emptied the pool
@@ -176,11 +177,6 @@ def take_spare(ctx: RunContext) -> SparePrompt | None:
     return spare
 
 
-def mark_taken(spare: SparePrompt, attempt: Attempt) -> None:
+def mark_taken(spare: SpareRow, attempt: AttemptRow) -> None:
     """Record which attempt took `spare`."""
-    if attempt.id is not None:
-        # Its id was drawn in advance (PostgreSQL): a plain column, which the batch's bulk
-        # UPDATE writes with the other spares (`bulk_update.py`) instead of a statement each.
-        spare.taken_by_attempt = attempt.id
-    else:
-        spare.taken_by = attempt  # the unit of work fills the id in when it inserts the attempt
+    spare.taken_by_attempt = attempt.id

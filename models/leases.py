@@ -21,7 +21,8 @@ from sqlalchemy.orm import Session
 
 from refill.models.barrier import queue_training
 from refill.models.clock import ledger_now, ledger_up_seconds
-from refill.models.context import RunContext
+from refill.models.context import ATTEMPT_COLUMNS, RunContext
+from refill.models.rows import AttemptRow
 from refill.models.settings import settings_for
 from refill.models.slots import RunFailed, infra_failure, lost_in_queue
 from refill.models.tables import (
@@ -206,17 +207,16 @@ def expire_leases(
     # commit between this read and the write below, and be told it holds an attempt that is
     # then failed anyway. With it, whichever goes first wins and the other sees its result.
     expired = (
-        list(
-            session.scalars(
-                select(Attempt)
-                .where(
-                    Attempt.run_id == run_id,
-                    Attempt.state.in_(states),
-                    Attempt.leased_until < ctx.now,
-                )
-                .order_by(Attempt.id)
-                .with_for_update()
+        ctx.rows.load(
+            AttemptRow,
+            select(*ATTEMPT_COLUMNS)
+            .where(
+                Attempt.run_id == run_id,
+                Attempt.state.in_(states),
+                Attempt.leased_until < ctx.now,
             )
+            .order_by(Attempt.id)
+            .with_for_update(),
         )
         if states
         else []
@@ -264,7 +264,7 @@ def expire_leases(
             queue_training(ctx, step.step)
         reaped.train_steps += 1
     reaped.train_steps += _requeue_lost_training(ctx)
-    session.flush()
+    ctx.flush()
     reaped.outbox_ids = ctx.outbox_ids
     return reaped
 

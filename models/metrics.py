@@ -41,7 +41,7 @@ def zero_variance_from_counters(ctx: RunContext) -> tuple[int, int]:
 
 def record_release_metrics(ctx: RunContext, step: Step) -> StepMetrics:
     session, run_id, s = ctx.session, ctx.run.id, step.step
-    session.flush()
+    ctx.flush()
     finished = (Attempt.run_id == run_id) & (Attempt.step == s) & Attempt.zero_variance.is_not(None)
     n_finished, n_zero, n_solved, unfiltered, tokens = session.execute(
         select(

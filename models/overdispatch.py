@@ -36,12 +36,12 @@ from collections.abc import Sequence
 from itertools import pairwise
 
 from sqlalchemy import and_, case, func, or_, select, update
-from sqlalchemy.orm.util import identity_key
 
 from refill.models import decisions
-from refill.models.context import RunContext, literal_in
+from refill.models.context import GROUP_COLUMNS, SLOT_COLUMNS, RunContext, literal_in
 from refill.models.dataloader import mark_taken, take_spare
 from refill.models.metrics import zero_variance_from_counters
+from refill.models.rows import AttemptRow, GroupRow, SlotRow
 from refill.models.samplers import SlotView
 from refill.models.slots import LIVE, dispatch, fill, place, placement_candidates, release_to_extra
 from refill.models.tables import (
@@ -56,6 +56,8 @@ from refill.models.tables import (
 )
 
 _RUNNING = AttemptState.RUNNING.value
+# Tables, not ORM classes, in the per-batch queries (see context.py).
+_attempts, _groups, _slots, _steps = Attempt.__table__, Group.__table__, Slot.__table__, Step.__table__
 _UNSTARTED = (AttemptState.PENDING.value, AttemptState.QUEUED.value)
 
 
@@ -71,22 +73,22 @@ def top_up(ctx: RunContext) -> int:
         return 0
     newest = ctx.session.get(Step, (ctx.run.id, ctx.run.next_step - 1)) if ctx.run.next_step else None
     p = zero_variance_estimate(ctx).p
-    ctx.session.flush()  # the statements below see this transaction's rows
+    ctx.flush()  # the statements below see this transaction's rows
     reaim_stranded_extras(ctx)
     fill_tails_from_parked(ctx)
     if newest is None or newest.status != StepStatus.OPEN.value:
         return 0
     live = ctx.session.scalar(
         select(func.count()).where(
-            Attempt.run_id == ctx.run.id, literal_in(Attempt.state, LIVE), Attempt.step == newest.step
+            _attempts.c.run_id == ctx.run.id, literal_in(_attempts.c.state, LIVE), _attempts.c.step == newest.step
         )
     )
     # Parked groups the newest step may borrow are supply already committed.
     parked = ctx.session.scalar(
         select(func.count()).where(
-            Group.run_id == ctx.run.id,
-            Group.parked.is_(True),
-            Group.weight_version >= newest.step - settings.max_lookahead_versions,
+            _groups.c.run_id == ctx.run.id,
+            _groups.c.parked.is_(True),
+            _groups.c.weight_version >= newest.step - settings.max_lookahead_versions,
         )
     )
     need = newest.num_slots - newest.shrunk - newest.committed - int(parked or 0)
@@ -126,7 +128,7 @@ def reaim_stranded_extras(ctx: RunContext) -> int:
     that step's staleness floor); returns how many moved. Call after a flush."""
     open_steps = list(
         ctx.session.scalars(
-            select(Step.step).where(Step.run_id == ctx.run.id, Step.status == StepStatus.OPEN.value).order_by(Step.step)
+            select(_steps.c.step).where(_steps.c.run_id == ctx.run.id, _steps.c.status == StepStatus.OPEN.value).order_by(_steps.c.step)
         )
     )
     if not open_steps:
@@ -137,28 +139,28 @@ def reaim_stranded_extras(ctx: RunContext) -> int:
     # reach only extras of settled steps. (Thousands of extras can be queued for the open
     # steps; `step IN (settled steps)` read every one of them on every batch.)
     settled = [
-        and_(Attempt.step > low, Attempt.step < high) if high is not None else Attempt.step > low
+        and_(_attempts.c.step > low, _attempts.c.step < high) if high is not None else _attempts.c.step > low
         for low, high in steps_between(open_steps)
     ]
+    attempts = _attempts
     moved = ctx.session.execute(
-        update(Attempt)
+        update(attempts)
         .where(
-            Attempt.run_id == ctx.run.id,
-            Attempt.slot_idx.is_(None),
-            literal_in(Attempt.state, _UNSTARTED),
+            attempts.c.run_id == ctx.run.id,
+            attempts.c.slot_idx.is_(None),
+            literal_in(attempts.c.state, _UNSTARTED),
             or_(*settled),
         )
         .values(
             step=target,
-            min_weight_version=case((Attempt.min_weight_version < floor, floor), else_=Attempt.min_weight_version),
+            min_weight_version=case(
+                (attempts.c.min_weight_version < floor, floor), else_=attempts.c.min_weight_version
+            ),
         )
-        .returning(Attempt.id)
-        .execution_options(synchronize_session=False)
-    ).scalars().all()
-    for attempt_id in moved:
-        obj = ctx.session.identity_map.get(identity_key(Attempt, attempt_id))
-        if obj is not None:
-            ctx.session.expire(obj)
+        .returning(attempts.c.id, attempts.c.min_weight_version)
+    ).all()
+    for attempt_id, min_weight_version in moved:
+        ctx.rows.patched(AttemptRow, attempt_id, step=target, min_weight_version=min_weight_version)
     return len(moved)
 
 
@@ -193,18 +195,14 @@ def displaceable(ctx: RunContext, candidates: Sequence[SlotView]) -> list[SlotVi
         if attempt_id is None or tail[view.step] or key in ctx.new_live:
             continue
         # An attempt that finished, or moved, in this transaction no longer blocks its slot.
-        obj = ctx.session.identity_map.get(identity_key(Attempt, attempt_id))
-        if obj is not None:
-            loaded = obj.__dict__
-            if loaded.get("state", _RUNNING) != _RUNNING or (
-                loaded.get("step", view.step), loaded.get("slot_idx", view.idx)
-            ) != key:
-                continue
+        row = ctx.rows.attempts.get(attempt_id)
+        if row is not None and (row.state != _RUNNING or (row.step, row.slot_idx) != key):
+            continue
         blocked.add(key)
     return [v for v in candidates if (v.step, v.idx) not in blocked]
 
 
-def place_extra(ctx: RunContext, group: Group) -> Slot | None:
+def place_extra(ctx: RunContext, group: GroupRow) -> SlotRow | None:
     """Place a group that serves no slot of its own (an extra's): in any open slot it may
     fill, but not one whose attempt would most likely come back too late to be trained
     (`displaceable`); None when it is parked."""
@@ -221,11 +219,11 @@ def _running_with_old_weights(ctx: RunContext) -> dict[tuple[int, int], int]:
         ctx.old_running = {
             (step, idx): attempt_id
             for attempt_id, step, idx in ctx.session.execute(
-                select(Attempt.id, Attempt.step, Attempt.slot_idx).where(
-                    Attempt.run_id == ctx.run.id,
-                    Attempt.state == _RUNNING,
-                    Attempt.slot_idx.is_not(None),
-                    Attempt.min_weight_version + lookahead <= Attempt.step,
+                select(_attempts.c.id, _attempts.c.step, _attempts.c.slot_idx).where(
+                    _attempts.c.run_id == ctx.run.id,
+                    _attempts.c.state == _RUNNING,
+                    _attempts.c.slot_idx.is_not(None),
+                    _attempts.c.min_weight_version + lookahead <= _attempts.c.step,
                 )
             ).all()
         }
@@ -243,31 +241,35 @@ def fill_tails_from_parked(ctx: RunContext) -> int:
     filled = 0
     lookahead = ctx.settings.max_lookahead_versions
     steps = ctx.session.scalars(
-        select(Step).where(Step.run_id == ctx.run.id, Step.status == StepStatus.OPEN.value).order_by(Step.step)
+        select(Step).where(_steps.c.run_id == ctx.run.id, _steps.c.status == StepStatus.OPEN.value).order_by(_steps.c.step)
     ).all()
     for step in steps:
         open_count = step.num_slots - step.committed - step.shrunk
         if not 0 < open_count <= tail_slots(step.num_slots, ctx.settings.over_dispatch_tail_fraction):
             continue
-        groups = ctx.session.scalars(
-            select(Group)
+        groups = ctx.rows.load(
+            GroupRow,
+            select(*GROUP_COLUMNS)
             .where(
-                Group.run_id == ctx.run.id,
-                Group.parked.is_(True),
-                Group.weight_version >= step.step - lookahead,
-                Group.weight_version <= step.step,
+                _groups.c.run_id == ctx.run.id,
+                _groups.c.parked.is_(True),
+                _groups.c.weight_version >= step.step - lookahead,
+                _groups.c.weight_version <= step.step,
             )
-            .order_by(Group.weight_version, Group.attempt_id)
-            .limit(open_count)
-        ).all()
+            .order_by(_groups.c.weight_version, _groups.c.attempt_id)
+            .limit(open_count),
+        )
+        # Placed by an earlier step of this loop, not written yet: not parked any more.
+        groups = [group for group in groups if group.parked]
         if not groups:
             continue
-        slots = ctx.session.scalars(
-            select(Slot)
-            .where(Slot.run_id == ctx.run.id, Slot.step == step.step, Slot.status == SlotStatus.OPEN.value)
-            .order_by(Slot.needs_replacement.desc(), Slot.idx)
-            .limit(len(groups))
-        ).all()
+        slots = ctx.rows.load(
+            SlotRow,
+            select(*SLOT_COLUMNS)
+            .where(_slots.c.run_id == ctx.run.id, _slots.c.step == step.step, _slots.c.status == SlotStatus.OPEN.value)
+            .order_by(_slots.c.needs_replacement.desc(), _slots.c.idx)
+            .limit(len(groups)),
+        )
         for slot, group in zip(slots, groups, strict=False):
             if step.status != StepStatus.OPEN.value:
                 break

@@ -25,11 +25,18 @@ from sqlalchemy.orm import Session
 
 from refill.models import decisions, rollout_codec
 from refill.models.clock import ledger_now
-from refill.models.context import RunContext, literal_in, slot_keys_in
+from refill.models.context import (
+    ATTEMPT_COLUMNS,
+    SLOT_COLUMNS,
+    RunContext,
+    literal_in,
+    slot_keys_in,
+)
 from refill.models.db import UnknownRun
 from refill.models.metrics import zero_variance_from_counters
 from refill.models.overdispatch import place_extra, top_up
 from refill.models.payload import ClaimCheckResult, ResultMessage
+from refill.models.rows import AttemptRow, GroupRow, SlotRow
 from refill.models.slots import (
     LIVE,
     RunFailed,
@@ -46,7 +53,6 @@ from refill.models.tables import (
     Attempt,
     AttemptState,
     FailureKind,
-    Group,
     RejectedResult,
     RejectReason,
     Slot,
@@ -115,12 +121,12 @@ def record_results(
             if name is not None:
                 discarded.append((run_id, name))
         top_up(ctx)
-        session.flush()
+        ctx.flush()
         outbox_ids.extend(ctx.outbox_ids)
     return BatchResult([o for o in outcomes if o is not None], outbox_ids, discarded)
 
 
-def _discarded_payload(ctx: RunContext, attempt: Attempt | None, result: ResultMessage) -> str | None:
+def _discarded_payload(ctx: RunContext, attempt: AttemptRow | None, result: ResultMessage) -> str | None:
     """The stored payload of `result` if nothing will ever read it: its attempt is settled (or
     unknown to this ledger) and no committed group holds it. An attempt still in flight keeps
     it (a result from a worker that does not hold the lease must not remove the holder's)."""
@@ -130,23 +136,32 @@ def _discarded_payload(ctx: RunContext, attempt: Attempt | None, result: ResultM
         if attempt.state in LIVE:
             return None
         if attempt.state == AttemptState.COMMITTED.value:
-            group = ctx.new_groups.get(attempt.id) or ctx.session.get(Group, attempt.id)
+            group = ctx.group(attempt.id)
             if group is not None and group.payload_ref == result.payload.name:
                 return None
     return result.payload.name
 
 
-def _preload(ctx: RunContext, attempt_ids: list[int]) -> dict[int, Attempt]:
-    """Load the batch's attempts, the slots they serve and the run's unfinished steps into the
-    session in three queries; the decisions then find them in the identity map."""
+def _preload(ctx: RunContext, attempt_ids: list[int]) -> dict[int, AttemptRow]:
+    """Load the batch's attempts, the slots they serve and the run's unfinished steps in three
+    queries; the decisions then find them in `ctx.rows` and the session."""
     session, run_id = ctx.session, ctx.run.id
+    attempts_table, slots_table = Attempt.__table__, Slot.__table__
     attempts = {
         a.id: a
-        for a in session.scalars(select(Attempt).where(Attempt.run_id == run_id, literal_in(Attempt.id, attempt_ids)))
+        for a in ctx.rows.load(
+            AttemptRow,
+            select(*ATTEMPT_COLUMNS).where(attempts_table.c.run_id == run_id, literal_in(attempts_table.c.id, attempt_ids)),
+        )
     }
     keys = {(a.step, a.slot_idx) for a in attempts.values() if a.slot_idx is not None}
     if keys:
-        ctx.pin(list(session.scalars(select(Slot).where(Slot.run_id == run_id, slot_keys_in(Slot.step, Slot.idx, keys)))))
+        ctx.rows.load(
+            SlotRow,
+            select(*SLOT_COLUMNS).where(
+                slots_table.c.run_id == run_id, slot_keys_in(slots_table.c.step, slots_table.c.idx, keys)
+            ),
+        )
     ctx.pin(list(session.scalars(select(Step).where(Step.run_id == run_id, Step.status != StepStatus.TRAINED.value))))
     return attempts
 
@@ -191,7 +206,7 @@ def _reject(
     return Recorded(result.attempt_id, outcome, detail)
 
 
-def _record_one(ctx: RunContext, attempt: Attempt | None, result: ResultMessage) -> Recorded:
+def _record_one(ctx: RunContext, attempt: AttemptRow | None, result: ResultMessage) -> Recorded:
     session, now = ctx.session, ctx.now
     if attempt is None:
         return _reject(
@@ -229,14 +244,14 @@ def _record_one(ctx: RunContext, attempt: Attempt | None, result: ResultMessage)
         return Recorded(attempt.id, _outcome_of(attempt), str(failure).splitlines()[0])
 
 
-def _outcome_of(attempt: Attempt) -> Outcome:
+def _outcome_of(attempt: AttemptRow) -> Outcome:
     return {
         AttemptState.COMMITTED.value: Outcome.COMMITTED,
         AttemptState.FILTERED.value: Outcome.FILTERED,
     }.get(attempt.state, Outcome.FAILED)
 
 
-def _apply(ctx: RunContext, attempt: Attempt, result: ResultMessage) -> Recorded:
+def _apply(ctx: RunContext, attempt: AttemptRow, result: ResultMessage) -> Recorded:
     settings = ctx.settings
     if result.error_kind == "infra":
         infra_failure(ctx, attempt, result.error or "engine error")
@@ -280,7 +295,7 @@ def _apply(ctx: RunContext, attempt: Attempt, result: ResultMessage) -> Recorded
     return Recorded(attempt.id, Outcome.COMMITTED)
 
 
-def _filter(ctx: RunContext, attempt: Attempt) -> None:
+def _filter(ctx: RunContext, attempt: AttemptRow) -> None:
     """SPEC §3.3: a zero-variance group is a data decision about a rollout that succeeded; it
     spends the slot's dynamic-sampling budget, never the fault-tolerance one."""
     attempt.state = AttemptState.FILTERED.value
@@ -308,7 +323,7 @@ def _filter(ctx: RunContext, attempt: Attempt) -> None:
     replace(ctx, slot, after_filter=True)
 
 
-def _commit(ctx: RunContext, attempt: Attempt, result: ResultMessage, rollout: rollout_codec.Rollout | None) -> None:
+def _commit(ctx: RunContext, attempt: AttemptRow, result: ResultMessage, rollout: rollout_codec.Rollout | None) -> None:
     settings = ctx.settings
     version = int(result.weight_version or 0)
     own = aimed_slot(ctx, attempt)
@@ -327,23 +342,24 @@ def _commit(ctx: RunContext, attempt: Attempt, result: ResultMessage, rollout: r
         dispatch_retry(ctx, attempt, own, spend_try=False)
         return
     attempt.state = AttemptState.COMMITTED.value
-    group = Group(
-        attempt_id=attempt.id,
-        run_id=ctx.run.id,
-        prompt_id=attempt.prompt_id,
-        origin_step=attempt.origin_step,
-        weight_version=version,
-        rewards=list(result.rewards),
-        reward_mean=attempt.reward_mean,
-        zero_variance=bool(attempt.zero_variance),
-        **_payload_columns(result, rollout),
-        num_tokens=attempt.num_tokens or 0,
-        committed_at=ctx.now,
-        parked=False,
-        moves=0,
+    group: GroupRow = ctx.rows.new(
+        GroupRow,
+        {
+            "attempt_id": attempt.id,
+            "run_id": ctx.run.id,
+            "prompt_id": attempt.prompt_id,
+            "origin_step": attempt.origin_step,
+            "weight_version": version,
+            "rewards": list(result.rewards),
+            "reward_mean": attempt.reward_mean,
+            "zero_variance": bool(attempt.zero_variance),
+            **_payload_columns(result, rollout),
+            "num_tokens": attempt.num_tokens or 0,
+            "committed_at": ctx.now,
+            "parked": False,
+            "moves": 0,
+        },
     )
-    ctx.session.add(group)
-    ctx.new_groups[group.attempt_id] = group
     if own is None:
         place_extra(ctx, group)
         return

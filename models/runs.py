@@ -11,7 +11,8 @@ from sqlalchemy import exists, func, insert, select
 from sqlalchemy.orm import Session
 
 from refill.models.barrier import queue_training
-from refill.models.context import RunContext, utcnow
+from refill.models.context import SLOT_COLUMNS, RunContext, utcnow
+from refill.models.rows import SlotRow
 from refill.models.settings import LedgerSettings
 from refill.models.slots import LIVE, cancel_live_attempts, dispatch
 from refill.models.tables import (
@@ -167,7 +168,7 @@ def start_run(
             # trainer while the run was not running; nothing else sends it again. A repeat
             # is harmless: a claim of a claimed or trained step is a no-op.
             queue_training(ctx, head.step)
-    session.flush()
+    ctx.flush()
     return run
 
 
@@ -175,24 +176,23 @@ def repair_open_slots(ctx: RunContext) -> int:
     """Give every open slot of an open step that has no live attempt a new one (after a stop
     or a fleet failure cancelled them), on the slot's most recent prompt."""
     session = ctx.session
-    session.flush()
+    ctx.flush()
     live = exists().where(
         Attempt.run_id == Slot.run_id,
         Attempt.step == Slot.step,
         Attempt.slot_idx == Slot.idx,
         Attempt.state.in_(LIVE),
     )
-    orphans = list(
-        session.scalars(
-            select(Slot)
-            .join(Step, (Step.run_id == Slot.run_id) & (Step.step == Slot.step))
-            .where(
-                Slot.run_id == ctx.run.id,
-                Slot.status == SlotStatus.OPEN.value,
-                Step.status == StepStatus.OPEN.value,
-                ~live,
-            )
-        )
+    orphans = ctx.rows.load(
+        SlotRow,
+        select(*SLOT_COLUMNS)
+        .join(Step, (Step.run_id == Slot.run_id) & (Step.step == Slot.step))
+        .where(
+            Slot.run_id == ctx.run.id,
+            Slot.status == SlotStatus.OPEN.value,
+            Step.status == StepStatus.OPEN.value,
+            ~live,
+        ),
     )
     for slot in orphans:
         last_prompt = session.scalar(
@@ -255,7 +255,7 @@ def check_completion(ctx: RunContext) -> bool:
     admission_over = run.next_step >= ctx.settings.max_num_steps or run.loader_exhausted
     if not admission_over:
         return False
-    ctx.session.flush()
+    ctx.flush()
     untrained = ctx.session.scalar(
         select(func.count()).where(Step.run_id == run.id, Step.status != StepStatus.TRAINED.value)
     )

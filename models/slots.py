@@ -14,20 +14,18 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import case, func, select, update
-from sqlalchemy.orm.util import identity_key
 
 from refill.models import decisions
 from refill.models.barrier import maybe_release
 from refill.models.context import LENDER_CHOICES, PLACEMENT_CHOICES, RunContext
 from refill.models.dataloader import mark_taken, take_spare
+from refill.models.rows import AttemptRow, GroupRow, SlotRow
 from refill.models.samplers import GroupView, SlotView
 from refill.models.tables import (
     Attempt,
     AttemptReason,
     AttemptState,
     FailureKind,
-    Group,
-    Outbox,
     OutboxKind,
     RunStatus,
     ShrinkReason,
@@ -36,6 +34,7 @@ from refill.models.tables import (
 )
 
 LIVE = tuple(s.value for s in AttemptState.live())
+_attempts = Attempt.__table__
 
 
 class RunFailed(Exception):
@@ -91,18 +90,17 @@ def dispatch(
     ctx: RunContext,
     *,
     step: int,
-    slot: Slot | None,
+    slot: SlotRow | None,
     prompt_id: int,
     reason: AttemptReason,
     try_no: int = 1,
     delay_seconds: float = 0.0,
     origin: tuple[int, int | None] | None = None,
-) -> Attempt:
+) -> AttemptRow:
     """A new attempt for `slot` (or an EXTRA for `step`), with its outbox row."""
     available = ctx.later(delay_seconds)
-    attempt = Attempt(
-        **ctx.ids.ids("attempts"),
-        **attempt_values(
+    attempt = ctx.new_attempt(
+        attempt_values(
             ctx,
             step=step,
             slot_idx=slot.idx if slot is not None else None,
@@ -111,19 +109,16 @@ def dispatch(
             try_no=try_no,
             available=available,
             origin=origin,
-        ),
+        )
     )
-    ctx.session.add(attempt)
     if slot is not None:
         slot.attempts += 1
         ctx.new_live[(slot.step, slot.idx)] = attempt
-    row = Outbox(**ctx.ids.ids("outbox"), **generate_outbox_values(ctx, available), attempt=attempt)
-    ctx.session.add(row)
-    ctx.outbox.append(row)
+    ctx.new_outbox({**generate_outbox_values(ctx, available), "attempt_id": attempt.id})
     return attempt
 
 
-def dispatch_spare(ctx: RunContext, slot: Slot, reason: AttemptReason) -> bool:
+def dispatch_spare(ctx: RunContext, slot: SlotRow, reason: AttemptReason) -> bool:
     """Dispatch a spare prompt for `slot`; False when the data has run out."""
     spare = take_spare(ctx)
     if spare is None:
@@ -133,8 +128,8 @@ def dispatch_spare(ctx: RunContext, slot: Slot, reason: AttemptReason) -> bool:
 
 
 def dispatch_retry(
-    ctx: RunContext, attempt: Attempt, slot: Slot, *, spend_try: bool, delay_seconds: float = 0.0
-) -> Attempt:
+    ctx: RunContext, attempt: AttemptRow, slot: SlotRow, *, spend_try: bool, delay_seconds: float = 0.0
+) -> AttemptRow:
     """Dispatch `attempt`'s prompt again for `slot`, as a retry of the same origin.
 
     `spend_try` counts it against `rollout_failure.max_attempts_per_prompt`: only a failure
@@ -156,7 +151,7 @@ def dispatch_retry(
 # --- settle ------------------------------------------------------------------------------
 
 
-def fill(ctx: RunContext, slot: Slot, group: Group, *, moved: bool) -> None:
+def fill(ctx: RunContext, slot: SlotRow, group: GroupRow, *, moved: bool) -> None:
     slot.status = SlotStatus.COMMITTED.value
     slot.group_attempt_id = group.attempt_id
     slot.needs_replacement = False
@@ -172,7 +167,7 @@ def fill(ctx: RunContext, slot: Slot, group: Group, *, moved: bool) -> None:
     maybe_release(ctx, step)
 
 
-def shrink(ctx: RunContext, slot: Slot, reason: ShrinkReason) -> None:
+def shrink(ctx: RunContext, slot: SlotRow, reason: ShrinkReason) -> None:
     slot.status = SlotStatus.SHRUNK.value
     slot.shrink_reason = reason.value
     slot.needs_replacement = False
@@ -203,7 +198,7 @@ def shrink(ctx: RunContext, slot: Slot, reason: ShrinkReason) -> None:
 # --- replacement (SPEC §3.4) -------------------------------------------------------------
 
 
-def replace(ctx: RunContext, slot: Slot, *, after_filter: bool) -> None:
+def replace(ctx: RunContext, slot: SlotRow, *, after_filter: bool) -> None:
     """Find `slot` a new group: borrow one, else dispatch a spare prompt, else shrink."""
     if after_filter:
         slot.filter_replacements += 1
@@ -261,7 +256,7 @@ def lender_candidates(ctx: RunContext, step: int, limit: int = LENDER_CHOICES) -
     return found[:limit]
 
 
-def borrow(ctx: RunContext, lender: GroupView, slot: Slot) -> None:
+def borrow(ctx: RunContext, lender: GroupView, slot: SlotRow) -> None:
     """Move a committed group into `slot`; the lender's slot gets the spare prompt instead."""
     group = ctx.group(lender.attempt_id)
     if group is None:
@@ -273,9 +268,9 @@ def borrow(ctx: RunContext, lender: GroupView, slot: Slot) -> None:
         source.settled_at = None
         source.lent_out += 1
         ctx.step(lender.step).committed -= 1
-        # Flush before the borrower takes the group: the unique index on
+        # Written before the borrower takes the group: the unique index on
         # slots.group_attempt_id is checked row by row.
-        ctx.session.flush()
+        ctx.flush()
         fill(ctx, slot, group, moved=True)
         source.needs_replacement = True
         if not dispatch_spare(ctx, source, AttemptReason.RESPAWN):
@@ -290,14 +285,14 @@ def borrow(ctx: RunContext, lender: GroupView, slot: Slot) -> None:
 
 
 def placement_candidates(
-    ctx: RunContext, group: Group, own: Slot | None, limit: int = PLACEMENT_CHOICES
+    ctx: RunContext, group: GroupRow, own: SlotRow | None, limit: int = PLACEMENT_CHOICES
 ) -> list[SlotView]:
     """Open slots, earlier than the group's own, that it may fill within the staleness bound:
     slots waiting on a replacement for `in_order`, any open slot for the other samplers."""
     bound_step = group.weight_version + ctx.settings.max_lookahead_versions
     ceiling = own.step if own is not None else bound_step + 1
     max_step = min(ceiling - 1, bound_step)
-    slots: dict[tuple[int, int], Slot] = {(slot.step, slot.idx): slot for slot in ctx.waiting_up_to(max_step, limit)}
+    slots: dict[tuple[int, int], SlotRow] = {(slot.step, slot.idx): slot for slot in ctx.waiting_up_to(max_step, limit)}
     if ctx.settings.sampler_name != "in_order" or own is None:
         # An extra serves its step, not a slot: any open slot it may fill is a candidate.
         slots.update(((slot.step, slot.idx), slot) for slot in ctx.open_slots(max_step, limit))
@@ -312,20 +307,21 @@ def placement_candidates(
     return views[:limit]
 
 
-def _persisted_live_update(ctx: RunContext, slot: Slot, values: dict, *, extra_condition=None) -> int | None:  # type: ignore[no-untyped-def]
+def _persisted_live_update(ctx: RunContext, slot: SlotRow, values: dict, *, extra_condition=None) -> int | None:  # type: ignore[no-untyped-def]
     """Update the stored live attempt serving `slot` (conditionally); its id, or None."""
     # An attempt aimed at the slot that finished in this transaction is still live in the
-    # database: leave it out. One changed otherwise must be written first (it is expired below).
+    # database: leave it out. One changed otherwise must be written first.
     finished_here = []
-    for obj in ctx.session.dirty:
-        if isinstance(obj, Attempt) and (obj.step, obj.slot_idx) == (slot.step, slot.idx):
-            if obj.state in LIVE:
-                ctx.session.flush()
-                finished_here = []
-                break
-            finished_here.append(obj.id)
-    # A Core statement on the table: the ORM's bulk-update machinery costs more than the
-    # statement itself, and the session is told below what changed.
+    key = (slot.step, slot.idx)
+    for row in ctx.rows.attempts.values():
+        if (row.step, row.slot_idx) != key or not ctx.rows.changed(row):
+            continue
+        if row.state in LIVE:
+            ctx.flush()
+            finished_here = []
+            break
+        finished_here.append(row.id)
+    # A Core statement on the table, the row here patched with what it wrote.
     table = Attempt.__table__
     query = update(table).where(
         table.c.run_id == ctx.run.id,
@@ -337,16 +333,14 @@ def _persisted_live_update(ctx: RunContext, slot: Slot, values: dict, *, extra_c
         query = query.where(table.c.id.not_in(finished_here))
     if extra_condition is not None:
         query = query.where(extra_condition)
-    moved = ctx.session.execute(query.values(**values).returning(table.c.id)).scalars().all()
-    for attempt_id in moved:
-        # An object already loaded must not keep (and later write back) the old aim.
-        obj = ctx.session.identity_map.get(identity_key(Attempt, attempt_id))
-        if obj is not None:
-            ctx.session.expire(obj)
-    return moved[0] if moved else None
+    columns = [table.c[name] for name in values]
+    moved = ctx.session.execute(query.values(**values).returning(table.c.id, *columns)).all()
+    for attempt_id, *written in moved:
+        ctx.rows.patched(AttemptRow, attempt_id, **dict(zip(values, written, strict=True)))
+    return moved[0][0] if moved else None
 
 
-def reaim(ctx: RunContext, source: Slot, target: Slot) -> bool:
+def reaim(ctx: RunContext, source: SlotRow, target: SlotRow) -> bool:
     """Hand `source`'s live attempt over to `target`, if it can still serve `target`.
 
     An attempt that has not started takes the target's staleness floor as its minimum weight
@@ -370,10 +364,10 @@ def reaim(ctx: RunContext, source: Slot, target: Slot) -> bool:
             "step": target.step,
             "slot_idx": target.idx,
             "min_weight_version": case(
-                (Attempt.min_weight_version < floor, floor), else_=Attempt.min_weight_version
+                (_attempts.c.min_weight_version < floor, floor), else_=_attempts.c.min_weight_version
             ),
         },
-        extra_condition=(Attempt.state != AttemptState.RUNNING.value) | (Attempt.min_weight_version >= floor),
+        extra_condition=(_attempts.c.state != AttemptState.RUNNING.value) | (_attempts.c.min_weight_version >= floor),
     )
     if moved is None:
         return False
@@ -381,7 +375,7 @@ def reaim(ctx: RunContext, source: Slot, target: Slot) -> bool:
     return True
 
 
-def place(ctx: RunContext, group: Group, own: Slot | None, candidates: Sequence[SlotView]) -> Slot | None:
+def place(ctx: RunContext, group: GroupRow, own: SlotRow | None, candidates: Sequence[SlotView]) -> SlotRow | None:
     """Put a newly committed group where the sampler wants it among `candidates` (from
     `placement_candidates`; an extra's, `own` None, narrowed by `overdispatch.place_extra`);
     None when it is parked."""
@@ -415,12 +409,12 @@ def place(ctx: RunContext, group: Group, own: Slot | None, candidates: Sequence[
     return None
 
 
-def park(ctx: RunContext, group: Group) -> None:
+def park(ctx: RunContext, group: GroupRow) -> None:
     group.parked = True
     ctx.lendable_added(GroupView(group.attempt_id, group.weight_version, None, None))
 
 
-def release_to_extra(ctx: RunContext, slot: Slot) -> None:
+def release_to_extra(ctx: RunContext, slot: SlotRow) -> None:
     fresh = ctx.new_live.pop((slot.step, slot.idx), None)
     if fresh is not None:
         fresh.slot_idx = None
@@ -432,7 +426,7 @@ def release_to_extra(ctx: RunContext, slot: Slot) -> None:
 # --- failures (SPEC §3.2, §3.6) ----------------------------------------------------------
 
 
-def infra_failure(ctx: RunContext, attempt: Attempt, error: str) -> None:
+def infra_failure(ctx: RunContext, attempt: AttemptRow, error: str) -> None:
     attempt.state = AttemptState.FAILED.value
     attempt.failure_kind = FailureKind.INFRA.value
     attempt.error = error[:4000]
@@ -456,7 +450,7 @@ def infra_failure(ctx: RunContext, attempt: Attempt, error: str) -> None:
     drop(ctx, slot, infra=True, last_error=error)
 
 
-def lost_in_queue(ctx: RunContext, attempt: Attempt, error: str) -> None:
+def lost_in_queue(ctx: RunContext, attempt: AttemptRow, error: str) -> None:
     """A dispatched attempt no worker ever took: its message was lost (a flushed or restarted
     broker). That says nothing about the prompt, so the prompt is sent again without spending
     its retries; a fleet with no worker at all keeps the run waiting rather than failing it."""
@@ -470,7 +464,7 @@ def lost_in_queue(ctx: RunContext, attempt: Attempt, error: str) -> None:
     dispatch_retry(ctx, attempt, slot, spend_try=False)
 
 
-def data_failure(ctx: RunContext, attempt: Attempt, error: str) -> None:
+def data_failure(ctx: RunContext, attempt: AttemptRow, error: str) -> None:
     """The prompt's output is unusable; retrying the same prompt would fail the same way, so
     the prompt is dropped at once and the slot follows `on_dropped_prompt`."""
     attempt.state = AttemptState.FAILED.value
@@ -484,7 +478,7 @@ def data_failure(ctx: RunContext, attempt: Attempt, error: str) -> None:
     drop(ctx, slot, infra=False, last_error=error)
 
 
-def drop(ctx: RunContext, slot: Slot, *, infra: bool, last_error: str | None) -> None:
+def drop(ctx: RunContext, slot: SlotRow, *, infra: bool, last_error: str | None) -> None:
     settings = ctx.settings
     slot.drops += 1
     if infra:
@@ -505,7 +499,7 @@ def drop(ctx: RunContext, slot: Slot, *, infra: bool, last_error: str | None) ->
         shrink(ctx, slot, ShrinkReason.DROPPED)
 
 
-def aimed_slot(ctx: RunContext, attempt: Attempt) -> Slot | None:
+def aimed_slot(ctx: RunContext, attempt: AttemptRow) -> SlotRow | None:
     """The open slot an attempt serves; None for an extra (or a slot settled otherwise)."""
     if attempt.slot_idx is None:
         return None
@@ -539,23 +533,23 @@ def fail_run(ctx: RunContext, message: str, reason: str) -> None:
 
 def cancel_live_attempts(ctx: RunContext, why: str) -> int:
     ctx.new_live.clear()
-    ctx.session.flush()
-    count = ctx.session.execute(
-        update(Attempt)
-        .where(Attempt.run_id == ctx.run.id, Attempt.state.in_(LIVE))
-        .values(state=AttemptState.CANCELLED.value, error=why, finished_at=ctx.now)
-        .execution_options(synchronize_session=False)
-    ).rowcount
-    for obj in list(ctx.session.identity_map.values()):
-        if isinstance(obj, Attempt):
-            ctx.session.expire(obj)
-    return count
+    ctx.flush()
+    values = {"state": AttemptState.CANCELLED.value, "error": why, "finished_at": ctx.now}
+    cancelled = ctx.session.execute(
+        update(_attempts)
+        .where(_attempts.c.run_id == ctx.run.id, _attempts.c.state.in_(LIVE))
+        .values(**values)
+        .returning(_attempts.c.id)
+    ).scalars().all()
+    for attempt_id in cancelled:
+        ctx.rows.patched(AttemptRow, attempt_id, **values)
+    return len(cancelled)
 
 
 def prompts_dropped_by_shrunk_slots(ctx: RunContext, step: int) -> int:
     """The prompts dropped by the slots of `step` that were shrunk for dropping them: one slot
     may drop several (its own, then each replacement) before it is shrunk."""
-    ctx.session.flush()
+    ctx.flush()
     total = ctx.session.scalar(
         select(func.coalesce(func.sum(Slot.drops), 0)).where(
             Slot.run_id == ctx.run.id,
@@ -568,7 +562,7 @@ def prompts_dropped_by_shrunk_slots(ctx: RunContext, step: int) -> int:
 
 
 def recent_errors(ctx: RunContext, step: int, limit: int = 3) -> list[str]:
-    ctx.session.flush()
+    ctx.flush()
     rows = ctx.session.execute(
         select(Attempt.id, Attempt.error)
         .where(

@@ -211,7 +211,7 @@ def training_failed(
         except RunFailed:
             return []
     queue_training(ctx, step, delay_seconds=min(60.0, 5.0 * row.train_claims))
-    session.flush()
+    ctx.flush()
     return ctx.outbox_ids
 
 
@@ -278,7 +278,7 @@ def finish_training(
         queue_training(ctx, step + 1)
     admit(ctx)
     check_completion(ctx)
-    session.flush()
+    ctx.flush()
     return ctx.outbox_ids
 
 

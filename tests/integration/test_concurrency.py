@@ -20,6 +20,7 @@ from refill.models.db import Ledger
 from refill.models.leases import expire_leases, extend_lease, start_attempt
 from refill.models.outbox import claim_outbox, mark_sent
 from refill.models.results import Outcome, record_results
+from refill.models.rows import RowStore
 from refill.models.training import claim_training, extend_training_lease
 from tests.support import invariants
 from tests.support.driver import SPREAD, Driver
@@ -225,7 +226,7 @@ def test_heartbeat_racing_the_reaper_has_one_winner(pg: Ledger) -> None:
         one_round(s, 0.002 * (s % 4))  # spread the heartbeat over the reaper's transaction
 
 
-def test_heartbeat_between_the_reapers_read_and_write(pg: Ledger) -> None:
+def test_heartbeat_between_the_reapers_read_and_write(pg: Ledger, monkeypatch: pytest.MonkeyPatch) -> None:
     """The worst interleaving, forced: the heartbeat runs after the reaper has read the
     expired lease and before it writes the failure. The reaper must not fail an attempt whose
     worker was just told it still holds it."""
@@ -240,19 +241,20 @@ def test_heartbeat_between_the_reapers_read_and_write(pg: Ledger) -> None:
     def heartbeat() -> None:
         heartbeat_result.append(d.ledger.transaction(lambda s: extend_lease(s, attempt.id, "w1", 60, d.now)))
 
-    def before_flush(session, _context, _instances):  # type: ignore[no-untyped-def]
-        if heartbeat_thread:
-            return
-        thread = threading.Thread(target=heartbeat)
-        heartbeat_thread.append(thread)
-        thread.start()
-        thread.join(timeout=0.5)  # returns at once unless the reaper holds the attempt's row
+    write = RowStore.write
 
-    event.listen(pg.sessions, "before_flush", before_flush)
-    try:
-        reaped = d.ledger.transaction(lambda s: expire_leases(s, d.run_id, d.now))
-    finally:
-        event.remove(pg.sessions, "before_flush", before_flush)
+    def heartbeat_then_write(store: RowStore) -> int:
+        # The reaper writes the attempts it failed here (models/rows.py), after reading them.
+        if not heartbeat_thread:
+            thread = threading.Thread(target=heartbeat)
+            heartbeat_thread.append(thread)
+            thread.start()
+            thread.join(timeout=0.5)  # returns at once unless the reaper holds the attempt's row
+        return write(store)
+
+    monkeypatch.setattr(RowStore, "write", heartbeat_then_write)
+    reaped = d.ledger.transaction(lambda s: expire_leases(s, d.run_id, d.now))
+    monkeypatch.undo()
     heartbeat_thread[0].join(timeout=10)
     assert heartbeat_result, "the heartbeat never finished"
     state = d.attempt(attempt.id)

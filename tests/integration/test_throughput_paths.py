@@ -5,7 +5,7 @@ consumer. The invariants of every run are checked after each test (conftest)."""
 from __future__ import annotations
 
 from refill.models.context import RunContext
-from refill.models.dataloader import take_spare
+from refill.models.dataloader import mark_taken, take_spare
 from refill.models.leases import start_attempts
 from refill.models.payload import ResultMessage
 from refill.models.results import Outcome
@@ -27,9 +27,9 @@ def add_extras(d: Driver, step: int, count: int) -> list[int]:
             spare = take_spare(ctx)
             assert spare is not None
             attempt = dispatch(ctx, step=step, slot=None, prompt_id=spare.prompt_id, reason=AttemptReason.EXTRA)
-            spare.taken_by = attempt
+            mark_taken(spare, attempt)
             ctx.step(step).extras += 1
-            session.flush()
+            ctx.flush()
             ids.append(attempt.id)
         return ids
 

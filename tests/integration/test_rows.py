@@ -1,5 +1,5 @@
-"""The slots' and attempts' changes of a flush, written as one UPDATE per table and set of
-columns on PostgreSQL (models/bulk_update.py)."""
+"""The rows a ledger operation reads and makes, written back with Core (models/rows.py): one
+UPDATE per table and set of changed columns, `UPDATE ... FROM unnest(...)` on PostgreSQL."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from datetime import UTC, datetime
 
 from sqlalchemy import event, select, update
 
-from refill.models.bulk_update import write_changed_rows
+from refill.models.context import ATTEMPT_COLUMNS, SLOT_COLUMNS
+from refill.models.rows import AttemptRow, RowStore, SlotRow
 from refill.models.tables import Attempt, Slot, SparePrompt
 from tests.support.driver import FLAT, SPREAD, Driver
 
@@ -29,14 +30,23 @@ def updates(ledger) -> Iterator[list[str]]:  # type: ignore[no-untyped-def]
         event.remove(ledger.engine, "before_cursor_execute", record)
 
 
+def _load(store: RowStore, run_id: int) -> tuple[list[AttemptRow], list[SlotRow]]:
+    attempts = store.load(AttemptRow, select(*ATTEMPT_COLUMNS).where(Attempt.run_id == run_id, Attempt.step == 0).order_by(Attempt.id))
+    slots = store.load(SlotRow, select(*SLOT_COLUMNS).where(Slot.run_id == run_id, Slot.step == 0))
+    return attempts, slots
+
+
 def test_changes_of_many_rows_go_out_as_one_statement_per_table_and_read_back(pg_ledger) -> None:  # type: ignore[no-untyped-def]
     d = Driver(pg_ledger, check=False)  # rows changed by hand, not by the ledger's rules
     d.admit()
     finished = datetime(2026, 12, 3, 10, 0, tzinfo=UTC)
     with updates(pg_ledger) as seen, pg_ledger.session() as session:
-        attempts = list(session.scalars(select(Attempt).where(Attempt.run_id == d.run_id, Attempt.step == 0)))
-        slots = list(session.scalars(select(Slot).where(Slot.run_id == d.run_id, Slot.step == 0)))
+        store = RowStore(session)
+        attempts, slots = _load(store, d.run_id)
         assert len(attempts) >= 3 and len(slots) >= 3
+        # Read again: the same objects, as an identity map gives them.
+        again, _ = _load(store, d.run_id)
+        assert all(a is b for a, b in zip(attempts, again, strict=True))
         for n, attempt in enumerate(attempts):
             attempt.error = f"note {n}"
             attempt.rewards = [0.0, float(n), None]
@@ -44,9 +54,8 @@ def test_changes_of_many_rows_go_out_as_one_statement_per_table_and_read_back(pg
             attempt.zero_variance = n % 2 == 0
         for slot in slots:
             slot.filtered += 2
-        # As the before-flush hook of a RunContext's session calls it.
-        assert write_changed_rows(session, (Slot, Attempt)) == len(attempts) + len(slots)
-        session.flush()
+        assert store.write() == len(attempts) + len(slots)
+        assert store.write() == 0  # written: nothing left
         session.commit()
     assert [s.split()[1] for s in seen] == ["slots", "attempts"], seen
     assert all("unnest" in s for s in seen)
@@ -64,7 +73,8 @@ def test_a_column_that_did_not_change_is_not_written_back(pg_ledger) -> None:  #
     d = Driver(pg_ledger, check=False)
     d.admit()
     with pg_ledger.session() as session:
-        attempts = list(session.scalars(select(Attempt).where(Attempt.run_id == d.run_id, Attempt.step == 0)))
+        store = RowStore(session)
+        attempts, _ = _load(store, d.run_id)
         ids = [a.id for a in attempts]
         with pg_ledger.session() as other:
             other.execute(update(Attempt).where(Attempt.id.in_(ids)).values(worker="w-elsewhere"))
@@ -75,8 +85,8 @@ def test_a_column_that_did_not_change_is_not_written_back(pg_ledger) -> None:  #
         for attempt in attempts[2:]:
             attempt.error = "second shape"
             attempt.num_tokens = 7
-        assert write_changed_rows(session, (Attempt,)) == len(attempts)
-        assert not session.dirty  # nothing left for the flush
+        assert store.write() == len(attempts)
+        assert not any(store.changed(a) for a in attempts)  # nothing left to write
         session.commit()
     with pg_ledger.session() as session:
         rows = session.execute(
@@ -102,16 +112,19 @@ def test_a_batch_of_results_records_the_same_on_both_ledgers(ledger) -> None:  #
     assert [d.attempt(a.id).state for a in first] == ["committed", "filtered", "committed", "committed"]
 
 
-def test_sqlite_is_left_to_the_unit_of_work(sqlite_ledger) -> None:  # type: ignore[no-untyped-def]
-    d = Driver(sqlite_ledger)
+def test_sqlite_writes_each_shape_as_an_executemany(sqlite_ledger) -> None:  # type: ignore[no-untyped-def]
+    d = Driver(sqlite_ledger, check=False)
     d.admit()
-    with sqlite_ledger.session() as session:
-        attempts = list(session.scalars(select(Attempt).where(Attempt.run_id == d.run_id)))
+    with updates(sqlite_ledger) as seen, sqlite_ledger.session() as session:
+        store = RowStore(session)
+        attempts, _ = _load(store, d.run_id)
         for attempt in attempts:
             attempt.error = "x"
-        assert write_changed_rows(session, (Attempt,)) == 0
-        assert len(session.dirty) == len(attempts)
-        session.rollback()
+        assert store.write() == len(attempts)
+        session.commit()
+    assert len(seen) == 1 and "unnest" not in seen[0], seen
+    with sqlite_ledger.session() as session:
+        assert set(session.scalars(select(Attempt.error).where(Attempt.run_id == d.run_id, Attempt.step == 0))) == {"x"}
 
 
 def test_the_spares_a_batch_takes_are_marked_in_one_statement_with_their_attempts(pg_ledger) -> None:  # type: ignore[no-untyped-def]

@@ -1,0 +1,354 @@
+"""The rows one ledger operation works on: plain objects, read and written with Core.
+
+A `RunContext` (models/context.py) decides over the slots, attempts, groups and spare prompts
+of one run while it holds the run's lock. It keeps them here as `Row`s, plain Python objects
+with one attribute per column (the ORM's names: `slot.filtered += 1` reads the same), and
+writes what changed when the operation flushes:
+
+1. **new rows** as one multi-row `INSERT` per table (attempts, then groups and outbox rows,
+   which reference them), with their ids drawn up front (`models/ids.py`);
+2. **changed rows** as one `UPDATE` per table and set of changed columns: on PostgreSQL
+   `UPDATE t SET c = v.c FROM unnest(:ids, :c...) AS v(...)` with one array parameter per
+   column, elsewhere an executemany. A row's changes are found by comparing it with the
+   values it was read with (or last written), so a column nobody set is never written back:
+   a worker's heartbeat or lease handshake, committed meanwhile to other columns of the same
+   attempt, survives.
+
+Why not the ORM: for a batch of 64 results the unit of work's own Python (instrumented
+attributes, identity map, building a parameter set per row) cost more than the decisions and
+the database together (bench/README.md, `bench overhead`). The store is a dictionary per table
+keyed by primary key, so a row read twice in one operation is one object, as in the ORM's
+identity map; a row another statement changed in the database is patched here (`patched`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from typing import Any, ClassVar
+
+from sqlalchemy import JSON, Table, and_, bindparam, insert, null, text, update
+from sqlalchemy.orm import Session
+from sqlalchemy.sql import Select
+
+from refill.models.tables import Attempt, Group, Outbox, Slot, SparePrompt
+
+_MISSING = object()
+
+
+class Row:
+    """A table row as a plain object: one attribute per column read (or set)."""
+
+    table: ClassVar[Table]
+
+    def __init__(self, values: Mapping[str, Any]) -> None:
+        self.__dict__.update(values)
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{k}={v!r}" for k, v in self.__dict__.items() if k in _REPR.get(type(self), ()))
+        return f"{type(self).__name__}({shown})"
+
+
+class SlotRow(Row):
+    table = Slot.__table__
+
+
+class AttemptRow(Row):
+    table = Attempt.__table__
+
+
+class GroupRow(Row):
+    table = Group.__table__
+
+
+class SpareRow(Row):
+    table = SparePrompt.__table__
+
+
+class OutboxRow(Row):
+    table = Outbox.__table__
+
+
+_REPR: dict[type, tuple[str, ...]] = {
+    SlotRow: ("step", "idx", "status", "group_attempt_id", "needs_replacement"),
+    AttemptRow: ("id", "step", "slot_idx", "state", "reason"),
+    GroupRow: ("attempt_id", "weight_version", "parked"),
+    SpareRow: ("id", "prompt_id", "taken_at"),
+    OutboxRow: ("id", "kind", "attempt_id", "step"),
+}
+
+#: Tables in the order their new rows are inserted (groups and outbox rows reference attempts)
+#: and their changed rows are written (slots first, as every transaction does: one lock order).
+_INSERT_ORDER: tuple[type[Row], ...] = (AttemptRow, GroupRow, OutboxRow)
+_UPDATE_ORDER: tuple[type[Row], ...] = (SlotRow, AttemptRow, GroupRow, SpareRow)
+
+#: Columns a table's UPDATE may write for a row although they did not change in it: a batch's
+#: rows change in a dozen different ways, and one statement per way costs a round trip each;
+#: when a table's rows changed in more than one way, each is written with the union of these.
+#: Only columns that no transaction without the run's lock writes are listed (a worker's lease
+#: handshake and heartbeats write other columns of an attempt), so writing back a value read
+#: under the lock is writing the current one.
+_UNIFORM_COLUMNS: dict[type[Row], frozenset[str]] = {
+    SlotRow: frozenset(
+        (
+            "status", "group_attempt_id", "shrink_reason", "needs_replacement", "filtered",
+            "filter_replacements", "infra_failures", "data_failures", "drops", "drop_replacements",
+            "borrowed_in", "lent_out", "attempts", "settled_at",
+        )
+    ),
+    AttemptRow: frozenset(
+        (
+            "state", "failure_kind", "error", "finished_at", "weight_version", "generation_seconds",
+            "rewards", "reward_mean", "reward_min", "reward_max", "zero_variance", "num_tokens",
+        )
+    ),
+}
+
+
+def _key_of(cls: type[Row]):  # type: ignore[no-untyped-def]
+    if cls is SlotRow:
+        return lambda values: (values["step"], values["idx"])
+    if cls is GroupRow:
+        return lambda values: values["attempt_id"]
+    return lambda values: values["id"]
+
+
+_KEYS = {cls: _key_of(cls) for cls in (SlotRow, AttemptRow, GroupRow, SpareRow, OutboxRow)}
+
+
+class RowStore:
+    """The rows of one run that an operation has read or made, by table and primary key."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.postgres = session.get_bind().dialect.name == "postgresql"
+        self.slots: dict[tuple[int, int], SlotRow] = {}
+        self.attempts: dict[int, AttemptRow] = {}
+        self.groups: dict[int, GroupRow] = {}
+        self.spares: dict[int, SpareRow] = {}
+        self._maps: dict[type[Row], dict[Any, Any]] = {
+            SlotRow: self.slots,
+            AttemptRow: self.attempts,
+            GroupRow: self.groups,
+            SpareRow: self.spares,
+        }
+        #: id(row) -> the column values the database holds for it (as read, or last written)
+        self._saved: dict[int, dict[str, Any]] = {}
+        self._new: dict[type[Row], list[Row]] = {cls: [] for cls in _INSERT_ORDER}
+
+    # --- reading -------------------------------------------------------------------------
+
+    def load(self, cls: type[Row], statement: Select) -> list[Any]:
+        """The rows `statement` selects (columns of `cls.table`, the primary key among them),
+        in its order. A row already here is returned as it is here: this operation's changes
+        are newer than what the database holds until they are written."""
+        rows = []
+        found = self._maps[cls]
+        key_of = _KEYS[cls]
+        saved = self._saved
+        for values in self.session.execute(statement).mappings():
+            key = key_of(values)
+            row = found.get(key)
+            if row is None:
+                row = found[key] = cls(values)
+                saved[id(row)] = dict(values)
+            rows.append(row)
+        return rows
+
+    def load_with(self, cls: type[Row], statement: Select) -> list[tuple[Any, tuple[Any, ...]]]:
+        """`load` for a statement that selects more than the table's columns: each row with
+        the values of the columns after them."""
+        result = self.session.execute(statement)
+        names = list(result.keys())
+        width = sum(1 for name in names if name in cls.table.c)
+        if names[:width] != [name for name in names if name in cls.table.c]:
+            raise ValueError("select the table's columns first, then the others")
+        found = self._maps[cls]
+        key_of = _KEYS[cls]
+        out = []
+        for values in result:
+            own = dict(zip(names[:width], values[:width], strict=True))
+            key = key_of(own)
+            row = found.get(key)
+            if row is None:
+                row = found[key] = cls(own)
+                self._saved[id(row)] = own.copy()
+            out.append((row, tuple(values[width:])))
+        return out
+
+    def get(self, cls: type[Row], key: Any) -> Any:
+        return self._maps[cls].get(key)
+
+    def rows(self, cls: type[Row]) -> Iterable[Any]:
+        return self._maps[cls].values()
+
+    def saved(self, row: Row, column: str) -> Any:
+        """`column` of `row` as the database holds it (None for a row not written yet)."""
+        values = self._saved.get(id(row))
+        return None if values is None else values.get(column)
+
+    def changed(self, row: Row) -> bool:
+        """Whether `row` holds anything the database does not (a new row, or a changed one)."""
+        saved = self._saved.get(id(row))
+        return saved is None or row.__dict__ != saved
+
+    # --- making --------------------------------------------------------------------------
+
+    def new(self, cls: type[Row], values: Mapping[str, Any]) -> Any:
+        """A new row of `cls` (every column not in `values` None, as a new ORM object reads),
+        inserted at the next `write`. A table keyed by `id` must get its id in `values`
+        (`IdBlocks`) on PostgreSQL; elsewhere (SQLite) the row is inserted at once and the
+        database numbers it."""
+        row = cls(dict.fromkeys(cls.table.columns.keys()))
+        row.__dict__.update(values)
+        if "id" in cls.table.c and row.id is None:
+            table = cls.table
+            row.id = self.session.execute(insert(table).values(_insert_values(table, [row])[0]).returning(table.c.id)).scalar_one()
+            self._saved[id(row)] = dict(row.__dict__)
+        else:
+            self._new[cls].append(row)
+        found = self._maps.get(cls)
+        if found is not None:
+            found[_KEYS[cls](row.__dict__)] = row
+        return row
+
+    def patched(self, cls: type[Row], key: Any, **values: Any) -> None:
+        """Another statement wrote `values` to a row in the database: the row here (if read)
+        takes them, as written."""
+        row = self._maps[cls].get(key)
+        if row is None:
+            return
+        row.__dict__.update(values)
+        saved = self._saved.get(id(row))
+        if saved is not None:
+            saved.update(values)
+
+    # --- writing -------------------------------------------------------------------------
+
+    def write(self) -> int:
+        """Write every new and changed row; returns the rows written."""
+        written = 0
+        for cls in _INSERT_ORDER:
+            new = self._new[cls]
+            if not new:
+                continue
+            self._new[cls] = []
+            self.session.execute(insert(cls.table), _insert_values(cls.table, new))
+            for row in new:
+                self._saved[id(row)] = dict(row.__dict__)
+            written += len(new)
+        for cls in _UPDATE_ORDER:
+            written += self._write_changes(cls)
+        return written
+
+    def _write_changes(self, cls: type[Row]) -> int:
+        saved = self._saved
+        shapes: dict[frozenset[str], list[Row]] = {}
+        for row in self._maps[cls].values():
+            before = saved.get(id(row))
+            current = row.__dict__
+            if before is None or current == before:
+                continue
+            keys = frozenset(k for k, v in current.items() if before.get(k, _MISSING) != v)
+            shapes.setdefault(keys, []).append(row)
+        if not shapes:
+            return 0
+        uniform = _UNIFORM_COLUMNS.get(cls)
+        if uniform is not None and len(shapes) > 1:
+            union = frozenset().union(*shapes)
+            if union <= uniform:
+                rows = [row for group in shapes.values() for row in group]
+                if all(union <= row.__dict__.keys() for row in rows):
+                    shapes = {union: rows}
+        for keys, rows in sorted(shapes.items(), key=lambda item: sorted(item[0])):
+            self._update(cls.table, sorted(keys), rows)
+            for row in rows:
+                saved[id(row)] = dict(row.__dict__)
+        return sum(len(rows) for rows in shapes.values())
+
+    def _update(self, table: Table, keys: list[str], rows: list[Row]) -> None:
+        primary = [column.key for column in table.primary_key.columns]
+        if not self.postgres or len(rows) < 2:
+            statement = (
+                update(table)
+                .where(and_(*(table.c[name] == bindparam(f"k_{name}") for name in primary)))
+                .values({key: bindparam(f"v_{key}") for key in keys})
+            )
+            params = [
+                {**{f"k_{name}": row.__dict__[name] for name in primary}, **{f"v_{key}": row.__dict__[key] for key in keys}}
+                for row in rows
+            ]
+            result = self.session.execute(statement, params)
+        else:
+            result = self.session.execute(*_unnest_update(self.session, table, primary, keys, rows))
+        if result.rowcount not in (len(rows), -1):
+            raise RuntimeError(f"update of {table.name} matched {result.rowcount} rows for {len(rows)} changed rows")
+
+
+def _insert_values(table: Table, rows: list[Row]) -> list[dict[str, Any]]:
+    """The rows as parameter sets of one INSERT: every column, a column's default where the
+    row left it None (as the ORM fills in a column nobody set)."""
+    defaults = {
+        column.key: column.default.arg
+        for column in table.columns
+        if column.default is not None and column.default.is_scalar
+    }
+    # A JSON column's None is SQL NULL here, as for a column an ORM object never set (the
+    # JSON type writes a Python None as JSON null).
+    json_columns = [column.key for column in table.columns if isinstance(column.type, JSON)]
+    values = []
+    for row in rows:
+        current = row.__dict__
+        item = {key: current.get(key) for key in table.columns.keys()}
+        for key, default in defaults.items():
+            if item[key] is None:
+                item[key] = default
+        for key in json_columns:
+            if item[key] is None:
+                item[key] = null()
+        values.append(item)
+    # A column with a server default that no row sets is left to the server.
+    unset = [
+        column.key
+        for column in table.columns
+        if column.server_default is not None and all(item[column.key] is None for item in values)
+    ]
+    for item in values:
+        for key in unset:
+            del item[key]
+    # No id on a dialect where the database numbers the rows (SQLite).
+    if "id" in table.c and all(item.get("id") is None for item in values):
+        for item in values:
+            del item["id"]
+    return values
+
+
+def _unnest_update(session: Session, table: Table, primary: list[str], keys: list[str], rows: list[Row]):  # type: ignore[no-untyped-def]
+    """`UPDATE table AS t SET c = v.c ... FROM unnest(...) AS v(...) WHERE t.pk = v.pk`, one
+    array parameter per column: a statement psycopg prepares once, whatever the row count."""
+    dialect = session.get_bind().dialect
+    names = [*primary, *keys]
+    arrays: dict[str, list[Any]] = {}
+    casts = []
+    for i, name in enumerate(primary):
+        arrays[f"k{i}"] = [row.__dict__[name] for row in rows]
+        casts.append(f"CAST(:k{i} AS {table.c[name].type.compile(dialect)}[])")
+    for i, key in enumerate(keys):
+        column = table.c[key]
+        values = [row.__dict__[key] for row in rows]
+        if isinstance(column.type, JSON):
+            # As the JSON type writes a value (None included: JSON null, not SQL NULL).
+            values = [json.dumps(value) for value in values]
+        else:
+            process = column.type._cached_bind_processor(dialect)
+            if process is not None:
+                values = [process(value) for value in values]
+        arrays[f"c{i}"] = values
+        casts.append(f"CAST(:c{i} AS {column.type.compile(dialect)}[])")
+    assignments = ", ".join(f"{key} = v.{key}" for key in keys)
+    match = " AND ".join(f"t.{name} = v.{name}" for name in primary)
+    statement = text(
+        f"UPDATE {table.name} AS t SET {assignments} "
+        f"FROM unnest({', '.join(casts)}) AS v({', '.join(names)}) WHERE {match}"
+    ).bindparams(*(bindparam(name) for name in arrays))
+    return statement, arrays
