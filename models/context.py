@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, bindparam, event, func, insert, or_, select, update
+from sqlalchemy import and_, bindparam, event, func, insert, or_, select
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.util import identity_key
 
@@ -38,7 +38,6 @@ from refill.models.samplers import GroupView, Sampler
 from refill.models.settings import LedgerSettings, settings_for
 from refill.models.tables import (
     Attempt,
-    AttemptReason,
     AttemptState,
     Group,
     Run,
@@ -68,7 +67,6 @@ _SLOT_OPEN = SlotStatus.OPEN.value
 _SLOT_COMMITTED = SlotStatus.COMMITTED.value
 _STEP_OPEN = StepStatus.OPEN.value
 _LIVE = tuple(s.value for s in AttemptState.live())
-_EXTRA = AttemptReason.EXTRA.value
 
 #: The columns read into rows. A group's payload columns are left out: a group is moved and
 #: lent by its other columns, and only the trainer's claim reads its payload.
@@ -76,6 +74,7 @@ SLOT_COLUMNS = tuple(Slot.__table__.c)
 ATTEMPT_COLUMNS = tuple(Attempt.__table__.c)
 GROUP_COLUMNS = tuple(c for c in Group.__table__.c if c.key not in ("rollout", "completion_texts"))
 SPARE_COLUMNS = tuple(SparePrompt.__table__.c)
+_attempts = Attempt.__table__
 # The tables, not the ORM classes, in the queries of the hot paths: a statement that names an
 # ORM attribute is compiled and its result set up by the ORM's machinery, even for columns.
 _slots, _groups, _steps, _spares = Slot.__table__, Group.__table__, Step.__table__, SparePrompt.__table__
@@ -127,13 +126,8 @@ class RunContext:
     outbox: list[OutboxRow] = field(default_factory=list)
     #: ids of outbox rows written in bulk (admission's, `IdBlocks.insert`)
     bulk_outbox_ids: list[int] = field(default_factory=list)
-    #: live slot-bound attempts created in this transaction, by the slot they serve: no other
-    #: transaction can see them yet, so they can be re-aimed in memory.
-    new_live: dict[tuple[int, int], AttemptRow] = field(default_factory=dict)
-    _pending_releases: list[tuple[int, int]] = field(default_factory=list)
-    #: attempts that finished in this transaction while serving their open slot: they keep
-    #: the slot when it is later handed to an extra (they are part of its history)
-    served_slot: set[int] = field(default_factory=set)
+    #: slots whose live attempts were read (and locked) into `rows` (see `live_attempt`)
+    _live_loaded: set[tuple[int, int]] = field(default_factory=set)
     #: running slot attempts whose weights are too old for a later step (overdispatch)
     old_running: dict[tuple[int, int], int] | None = None
     _spares_db: deque[SpareRow] | None = None
@@ -191,7 +185,6 @@ class RunContext:
     def flush(self) -> None:
         """Write this operation's changes so far: the rows (models/rows.py), then the run's
         and the steps' ORM objects. Called before a query that must see them."""
-        self.apply_releases()
         self.rows.write()
         self.session.flush()
 
@@ -203,52 +196,46 @@ class RunContext:
         self.outbox.append(row)
         return row
 
-    # --- stored attempts handed over to their step ------------------------------------------
+    # --- the live attempt of a slot ------------------------------------------------------
 
-    def release_later(self, slot: SlotRow) -> None:
-        """The stored live attempt serving `slot` becomes an extra of its step (slot_idx NULL,
-        reason 'extra'), written with the batch's other changes: one statement for all the
-        slots a batch fills with extras, at the next flush, instead of one per slot.
+    def live_attempt(self, slot: SlotRow) -> AttemptRow | None:
+        """The live attempt aimed at `slot` (None if it has none), as this transaction sees it.
 
-        Until then nothing looks at it: the slot is settled (an extra filled it), and every
-        query that reads live attempts flushes first. An attempt that was aimed at the slot
-        and finishes in this transaction meanwhile is handed over in memory instead, as it
-        would have been read back after an immediate update.
+        A re-aim or a hand-over to the extras changes it in memory, written with the batch's
+        other rows. Its row is read `FOR UPDATE` first: a worker's lease handshake or heartbeat
+        takes no run lock, so without the row lock it could start the attempt (with weights too
+        old for where it is being moved) between this read and the write; with it, the
+        handshake waits for this transaction and then sees where the attempt went (a slot's
+        rows are locked in id order; a deadlock with a handshake is retried by
+        `Ledger.transaction`). An attempt made in this transaction needs no lock: nobody else
+        can see it yet.
         """
-        self._pending_releases.append((slot.step, slot.idx))
+        key = (slot.step, slot.idx)
+        found = self._live_in_rows(key)
+        if key not in self._live_loaded:
+            self._live_loaded.add(key)
+            if found is None or self.rows.saved(found, "id") is not None:
+                self.rows.load(
+                    AttemptRow,
+                    select(*ATTEMPT_COLUMNS)
+                    .where(
+                        _attempts.c.run_id == self.run.id,
+                        _attempts.c.step == slot.step,
+                        _attempts.c.slot_idx == slot.idx,
+                        literal_in(_attempts.c.state, _LIVE),
+                    )
+                    .order_by(_attempts.c.id)
+                    .with_for_update(),
+                    refresh=True,
+                )
+                found = self._live_in_rows(key)
+        return found
 
-    def apply_releases(self) -> None:
-        if not self._pending_releases:
-            return
-        keys, self._pending_releases = set(self._pending_releases), []
-        finished_here = []
+    def _live_in_rows(self, key: tuple[int, int]) -> AttemptRow | None:
         for row in self.rows.attempts.values():
-            if (
-                (row.step, row.slot_idx) in keys
-                and row.state not in _LIVE
-                and row.id not in self.served_slot
-                # finished in memory, still live in the database: not one that finished in an
-                # earlier transaction and was only loaded here (a repeated result loads it)
-                and self.rows.saved(row, "state") in _LIVE
-            ):
-                # It finished after the slot was filled: it ran as an extra. Its own changes
-                # are written with the rows.
-                finished_here.append(row.id)
-                row.slot_idx = None
-                row.reason = _EXTRA
-        table = Attempt.__table__
-        query = update(table).where(
-            table.c.run_id == self.run.id,
-            slot_keys_in(table.c.step, table.c.slot_idx, keys),
-            literal_in(table.c.state, _LIVE),
-        )
-        # Both are still live in the database: their own changes are written after this.
-        settled = [*finished_here, *self.served_slot]
-        if settled:
-            query = query.where(~literal_in(table.c.id, settled))
-        moved = self.session.execute(query.values(slot_idx=None, reason=_EXTRA).returning(table.c.id)).scalars()
-        for attempt_id in moved:
-            self.rows.patched(AttemptRow, attempt_id, slot_idx=None, reason=_EXTRA)
+            if row.slot_idx == key[1] and row.step == key[0] and row.state in _LIVE:
+                return row
+        return None
 
     @property
     def running(self) -> bool:

@@ -192,7 +192,7 @@ def displaceable(ctx: RunContext, candidates: Sequence[SlotView]) -> list[SlotVi
                 step.num_slots, ctx.settings.over_dispatch_tail_fraction
             )
         attempt_id = old.get(key)
-        if attempt_id is None or tail[view.step] or key in ctx.new_live:
+        if attempt_id is None or tail[view.step]:
             continue
         # An attempt that finished, or moved, in this transaction no longer blocks its slot.
         row = ctx.rows.attempts.get(attempt_id)

@@ -41,8 +41,8 @@ class Row:
 
     table: ClassVar[Table]
 
-    def __init__(self, values: Mapping[str, Any]) -> None:
-        self.__dict__.update(values)
+    def __init__(self, values: dict[str, Any]) -> None:
+        self.__dict__ = values  # the row's own dict: loaded rows build one per row anyway
 
     def __repr__(self) -> str:
         shown = ", ".join(f"{k}={v!r}" for k, v in self.__dict__.items() if k in _REPR.get(type(self), ()))
@@ -138,22 +138,39 @@ class RowStore:
 
     # --- reading -------------------------------------------------------------------------
 
-    def load(self, cls: type[Row], statement: Select) -> list[Any]:
+    def load(self, cls: type[Row], statement: Select, *, refresh: bool = False) -> list[Any]:
         """The rows `statement` selects (columns of `cls.table`, the primary key among them),
         in its order. A row already here is returned as it is here: this operation's changes
-        are newer than what the database holds until they are written."""
+        are newer than what the database holds until they are written. With `refresh` (a read
+        that locks the rows), the columns this operation did not change take the values read:
+        another transaction may have written them since the row was first read."""
         rows = []
         found = self._maps[cls]
         key_of = _KEYS[cls]
         saved = self._saved
-        for values in self.session.execute(statement).mappings():
-            key = key_of(values)
+        result = self.session.execute(statement)
+        names = tuple(result.keys())
+        for values in result:
+            own = dict(zip(names, values, strict=True))
+            key = key_of(own)
             row = found.get(key)
             if row is None:
-                row = found[key] = cls(values)
-                saved[id(row)] = dict(values)
+                row = found[key] = cls(own)
+                saved[id(row)] = own.copy()
+            elif refresh:
+                self._refresh(row, own)
             rows.append(row)
         return rows
+
+    def _refresh(self, row: Row, read: dict[str, Any]) -> None:
+        saved = self._saved.get(id(row))
+        if saved is None:
+            return
+        current = row.__dict__
+        for name, value in read.items():
+            if current.get(name, _MISSING) == saved.get(name, _MISSING):
+                current[name] = value
+                saved[name] = value
 
     def load_with(self, cls: type[Row], statement: Select) -> list[tuple[Any, tuple[Any, ...]]]:
         """`load` for a statement that selects more than the table's columns: each row with
@@ -199,8 +216,7 @@ class RowStore:
         inserted at the next `write`. A table keyed by `id` must get its id in `values`
         (`IdBlocks`) on PostgreSQL; elsewhere (SQLite) the row is inserted at once and the
         database numbers it."""
-        row = cls(dict.fromkeys(cls.table.columns.keys()))
-        row.__dict__.update(values)
+        row = cls({**dict.fromkeys(cls.table.columns.keys()), **values})
         if "id" in cls.table.c and row.id is None:
             table = cls.table
             row.id = self.session.execute(insert(table).values(_insert_values(table, [row])[0]).returning(table.c.id)).scalar_one()

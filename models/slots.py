@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import case, func, select, update
+from sqlalchemy import func, select, update
 
 from refill.models import decisions
 from refill.models.barrier import maybe_release
@@ -35,6 +35,7 @@ from refill.models.tables import (
 
 LIVE = tuple(s.value for s in AttemptState.live())
 _attempts = Attempt.__table__
+_RUNNING = AttemptState.RUNNING.value
 
 
 class RunFailed(Exception):
@@ -113,7 +114,6 @@ def dispatch(
     )
     if slot is not None:
         slot.attempts += 1
-        ctx.new_live[(slot.step, slot.idx)] = attempt
     ctx.new_outbox({**generate_outbox_values(ctx, available), "attempt_id": attempt.id})
     return attempt
 
@@ -298,46 +298,11 @@ def placement_candidates(
         slots.update(((slot.step, slot.idx), slot) for slot in ctx.open_slots(max_step, limit))
     open_value = SlotStatus.OPEN.value
     open_steps = {step: ctx.step_open(step) for step in {step for step, _ in slots}}
-    views = [
-        SlotView(slot.step, slot.idx, bool(slot.needs_replacement))
-        for slot in slots.values()
-        if slot.status == open_value and open_steps[slot.step]
-    ]
-    views.sort(key=lambda v: (v.step, not v.needs_replacement, v.idx))
-    return views[:limit]
-
-
-def _persisted_live_update(ctx: RunContext, slot: SlotRow, values: dict, *, extra_condition=None) -> int | None:  # type: ignore[no-untyped-def]
-    """Update the stored live attempt serving `slot` (conditionally); its id, or None."""
-    # An attempt aimed at the slot that finished in this transaction is still live in the
-    # database: leave it out. One changed otherwise must be written first.
-    finished_here = []
-    key = (slot.step, slot.idx)
-    for row in ctx.rows.attempts.values():
-        if (row.step, row.slot_idx) != key or not ctx.rows.changed(row):
-            continue
-        if row.state in LIVE:
-            ctx.flush()
-            finished_here = []
-            break
-        finished_here.append(row.id)
-    # A Core statement on the table, the row here patched with what it wrote.
-    table = Attempt.__table__
-    query = update(table).where(
-        table.c.run_id == ctx.run.id,
-        table.c.step == slot.step,
-        table.c.slot_idx == slot.idx,
-        table.c.state.in_(LIVE),
-    )
-    if finished_here:
-        query = query.where(table.c.id.not_in(finished_here))
-    if extra_condition is not None:
-        query = query.where(extra_condition)
-    columns = [table.c[name] for name in values]
-    moved = ctx.session.execute(query.values(**values).returning(table.c.id, *columns)).all()
-    for attempt_id, *written in moved:
-        ctx.rows.patched(AttemptRow, attempt_id, **dict(zip(values, written, strict=True)))
-    return moved[0][0] if moved else None
+    usable = [slot for slot in slots.values() if slot.status == open_value and open_steps[slot.step]]
+    usable.sort(key=lambda slot: (slot.step, not slot.needs_replacement, slot.idx))
+    # Views of the first `limit` only: a frozen dataclass costs a microsecond to make, and a
+    # batch places thousands of groups.
+    return [SlotView(slot.step, slot.idx, bool(slot.needs_replacement)) for slot in usable[:limit]]
 
 
 def reaim(ctx: RunContext, source: SlotRow, target: SlotRow) -> bool:
@@ -348,29 +313,11 @@ def reaim(ctx: RunContext, source: SlotRow, target: SlotRow) -> bool:
     version it started with, so it may only move to a step that version can still train.
     """
     floor = max(0, target.step - ctx.settings.max_lookahead_versions)
-    fresh = ctx.new_live.get((source.step, source.idx))
-    if fresh is not None and fresh.state == AttemptState.PENDING.value:
-        # Created in this transaction: nobody else can have seen it.
-        fresh.step, fresh.slot_idx = target.step, target.idx
-        fresh.min_weight_version = max(fresh.min_weight_version, floor)
-        del ctx.new_live[(source.step, source.idx)]
-        ctx.new_live[(target.step, target.idx)] = fresh
-        target.attempts += 1
-        return True
-    moved = _persisted_live_update(
-        ctx,
-        source,
-        {
-            "step": target.step,
-            "slot_idx": target.idx,
-            "min_weight_version": case(
-                (_attempts.c.min_weight_version < floor, floor), else_=_attempts.c.min_weight_version
-            ),
-        },
-        extra_condition=(_attempts.c.state != AttemptState.RUNNING.value) | (_attempts.c.min_weight_version >= floor),
-    )
-    if moved is None:
+    attempt = ctx.live_attempt(source)
+    if attempt is None or (attempt.state == _RUNNING and attempt.min_weight_version < floor):
         return False
+    attempt.step, attempt.slot_idx = target.step, target.idx
+    attempt.min_weight_version = max(attempt.min_weight_version, floor)
     target.attempts += 1
     return True
 
@@ -415,12 +362,12 @@ def park(ctx: RunContext, group: GroupRow) -> None:
 
 
 def release_to_extra(ctx: RunContext, slot: SlotRow) -> None:
-    fresh = ctx.new_live.pop((slot.step, slot.idx), None)
-    if fresh is not None:
-        fresh.slot_idx = None
-        fresh.reason = AttemptReason.EXTRA.value
-        return
-    ctx.release_later(slot)
+    """The live attempt of `slot`, which a group is about to fill, serves its step as an extra
+    from now on (its result is placed like any extra's)."""
+    attempt = ctx.live_attempt(slot)
+    if attempt is not None:
+        attempt.slot_idx = None
+        attempt.reason = AttemptReason.EXTRA.value
 
 
 # --- failures (SPEC §3.2, §3.6) ----------------------------------------------------------
@@ -506,9 +453,6 @@ def aimed_slot(ctx: RunContext, attempt: AttemptRow) -> SlotRow | None:
     slot = ctx.slot(attempt.step, attempt.slot_idx)
     if slot.status != SlotStatus.OPEN.value:
         return None
-    # Called as the attempt finishes: if an extra fills the slot later in this transaction,
-    # this attempt stays in the slot's history (see RunContext.release_later).
-    ctx.served_slot.add(attempt.id)
     return slot
 
 
@@ -532,7 +476,6 @@ def fail_run(ctx: RunContext, message: str, reason: str) -> None:
 
 
 def cancel_live_attempts(ctx: RunContext, why: str) -> int:
-    ctx.new_live.clear()
     ctx.flush()
     values = {"state": AttemptState.CANCELLED.value, "error": why, "finished_at": ctx.now}
     cancelled = ctx.session.execute(

@@ -429,6 +429,52 @@ def test_worker_taking_the_lease_racing_a_push_that_reaims_it(pg: Ledger) -> Non
         one_round()
 
 
+def test_worker_taking_the_lease_between_a_reaims_read_and_write(pg: Ledger, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The race above, forced into its worst interleaving: the worker's handshake runs after
+    the consumer has decided to move R to step 2 and before it writes that. The handshake must
+    wait for the consumer (R's row is locked when it is read for the re-aim) and then lease R
+    for step 2 with weights new enough for it; had it gone first unseen, a v0 worker would
+    generate for step 2, beyond the staleness bound."""
+    d = Driver(pg, num_prompts=24)
+    d.admit()
+    d.fill_step(0)
+    d.filter_slot(1, 0)
+    replacement = d.live_of(1, 0)
+    assert d.train(0)
+    d.admit()
+    pushed = d.live_of(2, 0)
+    d.start(pushed.id, engine_version=1)
+    leases: list[Any] = []
+    threads: list[threading.Thread] = []
+    write = RowStore.write
+
+    def handshake_then_write(store: RowStore) -> int:
+        row = store.attempts.get(replacement.id)
+        if not threads and row is not None and row.step == 2:  # moved in memory, not written yet
+            thread = threading.Thread(
+                target=lambda: leases.append(
+                    d.ledger.transaction(lambda s: start_attempt(s, replacement.id, "w2", d.now, 0))
+                )
+            )
+            threads.append(thread)
+            thread.start()
+            thread.join(timeout=0.5)  # returns at once unless the consumer holds R's row
+            assert thread.is_alive(), "the handshake did not wait for the re-aim"
+        return write(store)
+
+    monkeypatch.setattr(RowStore, "write", handshake_then_write)
+    outcomes = d.ledger.transaction(lambda s: record_results(s, [d.result(pushed.id, SPREAD, version=1)], d.now)).outcomes
+    monkeypatch.undo()
+    assert threads, "the batch never re-aimed R"
+    threads[0].join(timeout=10)
+    assert outcomes[0].outcome is Outcome.COMMITTED
+    assert d.slot(1, 0).group_attempt_id == pushed.id
+    moved = d.attempt(replacement.id)
+    assert (moved.step, moved.state, moved.min_weight_version) == (2, "running", 1)
+    assert leases and leases[0] is not None and leases[0].min_weight_version == 1
+    consistent(d)
+
+
 def test_worker_taking_a_lease_racing_the_queue_timeout(pg: Ledger) -> None:
     def one_round(jitter: float) -> None:
         d = Driver(pg, num_prompts=12)

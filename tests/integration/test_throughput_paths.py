@@ -1,5 +1,5 @@
 """The ledger paths the throughput work changed (issue 7): batched lease handshakes, extras
-whose displaced attempts are handed over at the next flush, and bundles of results in the
+whose displaced attempts are handed over with the batch's rows, and bundles of results in the
 consumer. The invariants of every run are checked after each test (conftest)."""
 
 from __future__ import annotations
