@@ -42,6 +42,10 @@ log = logging.getLogger(__name__)
 EXIT_RANK_FAILED = 70
 #: Seconds a rank has to finish after SIGTERM before the launcher kills it.
 TERM_GRACE_SECONDS = 10.0
+#: How long rank 0 may take to end after another rank ended cleanly: ranks leave together
+#: (`World.close`: a barrier, then each tears its process group down), so a follower may exit
+#: a moment before the leader does.
+FOLLOWER_EXIT_GRACE_SECONDS = 5.0
 _PR_SET_PDEATHSIG = 1
 
 
@@ -167,6 +171,12 @@ class RankGroup:
                     if rank == 0 and (stopping or code == 0):
                         self.stop_all()  # rank 0 finished a warm shutdown: nothing is in hand
                         return status
+                    if rank != 0 and code == 0:
+                        # Ended cleanly: the world was closing, unless rank 0 goes on without it.
+                        with contextlib.suppress(subprocess.TimeoutExpired):
+                            leader = self.processes[0].wait(FOLLOWER_EXIT_GRACE_SECONDS)
+                            self.stop_all()
+                            return 128 - leader if leader < 0 else leader
                     # A rank died on its own: the trainer cannot finish anything without it.
                     print(f"refill: trainer rank {rank} exited with status {status}; killing the other ranks", flush=True)
                     self.kill_all()

@@ -53,12 +53,13 @@ def test_each_rank_gets_its_environment() -> None:
 
 # --- the launcher: ranks live and die together -------------------------------------------------
 
-#: A rank that does as RANK_<rank> says: "sleep", "exit N" (after a moment), or "kill" itself.
+#: A rank that does as RANK_<rank> says: "sleep", "exit N" (after a moment), "late N" (exit
+#: a second later), or "kill" itself.
 RANK_SCRIPT = """
 import os, signal, sys, time
 what = os.environ.get("RANK_" + os.environ["RANK"], "sleep").split()
-if what[0] == "exit":
-    time.sleep(0.3)
+if what[0] in ("exit", "late"):
+    time.sleep(0.3 if what[0] == "exit" else 1.3)
     sys.exit(int(what[1]))
 if what[0] == "kill":
     time.sleep(0.3)
@@ -94,6 +95,16 @@ def test_a_rank_that_exits_cleanly_still_stops_the_trainer() -> None:
     # Rank 0 ending (a warm shutdown done) ends the rest with its status.
     group, _ = _ranks(2, **{"0": "exit 0"})
     assert group.wait() == 0
+    assert all(p.poll() is not None for p in group.processes)
+
+
+def test_ranks_leaving_together_end_cleanly_whichever_exits_first() -> None:
+    # `World.close` lets every rank go at once; a follower's process may end a moment first.
+    group, _ = _ranks(2, **{"0": "late 0", "1": "exit 0"})
+    assert group.wait() == 0
+    # The leader failing just after a follower ended cleanly is the leader's failure.
+    group, _ = _ranks(2, **{"0": "late 4", "1": "exit 0"})
+    assert group.wait() == 4
     assert all(p.poll() is not None for p in group.processes)
 
 
