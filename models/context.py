@@ -126,8 +126,10 @@ class RunContext:
     outbox: list[OutboxRow] = field(default_factory=list)
     #: ids of outbox rows written in bulk (admission's, `IdBlocks.insert`)
     bulk_outbox_ids: list[int] = field(default_factory=list)
-    #: slots whose live attempts were read (and locked) into `rows` (see `live_attempt`)
-    _live_loaded: set[tuple[int, int]] = field(default_factory=set)
+    #: slots whose live attempts were read into `rows`, and of those the ones read with their
+    #: rows locked (see `live_attempt`)
+    _live_read: set[tuple[int, int]] = field(default_factory=set)
+    _live_locked: set[tuple[int, int]] = field(default_factory=set)
     #: running slot attempts whose weights are too old for a later step (overdispatch)
     old_running: dict[tuple[int, int], int] | None = None
     _spares_db: deque[SpareRow] | None = None
@@ -198,38 +200,52 @@ class RunContext:
 
     # --- the live attempt of a slot ------------------------------------------------------
 
-    def live_attempt(self, slot: SlotRow) -> AttemptRow | None:
-        """The live attempt aimed at `slot` (None if it has none), as this transaction sees it.
+    def live_attempt(self, slot: SlotRow, *, lock: bool) -> AttemptRow | None:
+        """The live attempt aimed at `slot` (None if it has none), as this transaction sees it,
+        to be changed in memory and written with the batch's other rows.
 
-        A re-aim or a hand-over to the extras changes it in memory, written with the batch's
-        other rows. Its row is read `FOR UPDATE` first: a worker's lease handshake or heartbeat
-        takes no run lock, so without the row lock it could start the attempt (with weights too
-        old for where it is being moved) between this read and the write; with it, the
-        handshake waits for this transaction and then sees where the attempt went (a slot's
-        rows are locked in id order; a deadlock with a handshake is retried by
-        `Ledger.transaction`). An attempt made in this transaction needs no lock: nobody else
-        can see it yet.
+        `lock` (a re-aim: the attempt moves to another step, whose staleness floor it must
+        meet) reads its row `FOR UPDATE` first: a worker's lease handshake takes no run lock,
+        so without the row lock it could start the attempt with weights too old for where it
+        is being moved, between this read and the write; with it, the handshake waits for this
+        transaction and then sees where the attempt went (a deadlock with a handshake is
+        retried by `Ledger.transaction`). A hand-over to the step's extras needs no lock: it
+        writes only the attempt's slot and reason, which no handshake writes, and the attempt
+        serves the same step either way; those rows are read for a whole prefix of open slots
+        at once (`prefetch_live`). An attempt made in this transaction needs neither: nobody
+        else can see it yet.
         """
         key = (slot.step, slot.idx)
         found = self._live_in_rows(key)
-        if key not in self._live_loaded:
-            self._live_loaded.add(key)
+        if key not in (self._live_locked if lock else self._live_read):
             if found is None or self.rows.saved(found, "id") is not None:
-                self.rows.load(
-                    AttemptRow,
-                    select(*ATTEMPT_COLUMNS)
-                    .where(
-                        _attempts.c.run_id == self.run.id,
-                        _attempts.c.step == slot.step,
-                        _attempts.c.slot_idx == slot.idx,
-                        literal_in(_attempts.c.state, _LIVE),
-                    )
-                    .order_by(_attempts.c.id)
-                    .with_for_update(),
-                    refresh=True,
-                )
+                self._load_live([key], lock=lock)
                 found = self._live_in_rows(key)
+            self._live_read.add(key)
+            if lock:
+                self._live_locked.add(key)
         return found
+
+    def prefetch_live(self, slots: list[SlotRow]) -> None:
+        """Read the live attempts of `slots` (without locking them) in one query."""
+        keys = [(slot.step, slot.idx) for slot in slots if (slot.step, slot.idx) not in self._live_read]
+        if keys:
+            self._load_live(keys, lock=False)
+            self._live_read.update(keys)
+
+    def _load_live(self, keys: list[tuple[int, int]], *, lock: bool) -> None:
+        statement = (
+            select(*ATTEMPT_COLUMNS)
+            .where(
+                _attempts.c.run_id == self.run.id,
+                slot_keys_in(_attempts.c.step, _attempts.c.slot_idx, keys),
+                literal_in(_attempts.c.state, _LIVE),
+            )
+            .order_by(_attempts.c.id)
+        )
+        # A locking read refreshes what it finds: another transaction may have written the
+        # row since it was first read here.
+        self.rows.load(AttemptRow, statement.with_for_update() if lock else statement, refresh=lock)
 
     def _live_in_rows(self, key: tuple[int, int]) -> AttemptRow | None:
         for row in self.rows.attempts.values():
@@ -512,6 +528,8 @@ class RunContext:
         for _ in range(2):
             if self._open_slots is None:
                 rows = self._load_open_slots(order_by=(_slots.c.step, _slots.c.idx), limit=OPEN_CHUNK)
+                # A group placed in one of them hands its live attempt over to the extras.
+                self.prefetch_live(rows)
                 self._open_slots = rows
                 self._open_slots_truncated = len(rows) == OPEN_CHUNK
             # A scan that stops at the answer: this runs for every placement of a batch, and

@@ -270,6 +270,7 @@ def fill_tails_from_parked(ctx: RunContext) -> int:
             .order_by(_slots.c.needs_replacement.desc(), _slots.c.idx)
             .limit(len(groups)),
         )
+        ctx.prefetch_live(slots)
         for slot, group in zip(slots, groups, strict=False):
             if step.status != StepStatus.OPEN.value:
                 break
