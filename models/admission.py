@@ -81,6 +81,7 @@ def open_step(ctx: RunContext, step: int, prompt_ids: list[int]) -> Step:
         train_claims=0,
     )
     ctx.session.add(row)
+    ctx.step_added(row)
     # The step must be in the database before its slots.
     ctx.flush()
     ctx.session.execute(

@@ -154,6 +154,8 @@ class RunContext:
     _open_slots_truncated: bool = False
     #: Step rows by number, as step_open found them
     _steps: dict[int, Step] = field(default_factory=dict)
+    #: the run's steps not yet trained, in step order (see `unfinished_steps`)
+    _unfinished: list[Step] | None = None
     #: strong references to the steps loaded in bulk: the session's identity map holds
     #: objects weakly, and a preloaded row that is dropped would be fetched again one by one.
     pinned: list[object] = field(default_factory=list)
@@ -284,6 +286,34 @@ class RunContext:
             found = self.rows.load(GroupRow, select(*GROUP_COLUMNS).where(_groups.c.attempt_id == attempt_id))
             row = found[0] if found else None
         return row
+
+    def unfinished_steps(self) -> list[Step]:
+        """The run's steps that are not trained yet, in step order, read once per transaction.
+
+        A step changes status only in a transaction that holds the run's lock (admission,
+        release, the trainer's claim and finish, the reaper all open a `RunContext`), so what
+        this transaction read stays true but for its own changes, which are made on these same
+        objects; a step it creates is added by `step_added`."""
+        if self._unfinished is None:
+            rows = self.session.scalars(
+                select(Step)
+                .where(Step.run_id == self.run.id, Step.status != StepStatus.TRAINED.value)
+                .order_by(Step.step)
+            ).all()
+            self._unfinished = self.pin(list(rows))
+            self._steps.update((row.step, row) for row in rows)
+        return self._unfinished
+
+    def open_steps(self) -> list[Step]:
+        """The run's open steps, in step order."""
+        return [row for row in self.unfinished_steps() if row.status == _STEP_OPEN]
+
+    def step_added(self, row: Step) -> None:
+        """A step this transaction created (admission)."""
+        self.pinned.append(row)
+        self._steps[row.step] = row
+        if self._unfinished is not None:
+            self._unfinished.append(row)
 
     def step_open(self, step: int) -> bool:
         # Called for every candidate slot of every placement: the row is looked up once per

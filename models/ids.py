@@ -60,6 +60,8 @@ class IdBlocks:
     enabled: bool
     _free: dict[str, list[int]] = field(default_factory=dict)
     _next_size: dict[str, int] = field(default_factory=dict)
+    #: table -> the first block to draw for it, drawn with the others' in one query (`expect`)
+    _expected: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def for_session(cls, session: Session) -> IdBlocks:
@@ -70,15 +72,43 @@ class IdBlocks:
         constructor), or `{}` where the database assigns it."""
         return {"id": self.next(table)} if self.enabled else {}
 
+    def expect(self, counts: dict[str, int]) -> None:
+        """Say about how many rows of each table this transaction will make: the first draw
+        for any of them then draws a block of that size for each, all in one query. (A batch
+        of results makes attempts and outbox rows together; drawn apart, in blocks that start
+        small, they took two or three queries a batch.)"""
+        if self.enabled:
+            self._expected.update((table, count) for table, count in counts.items() if count > 0)
+
     def next(self, table: str) -> int:
         """An unused id for a new row of `table` (PostgreSQL only)."""
         free = self._free.get(table)
+        if not free and table in self._expected:
+            self._draw_expected()
+            free = self._free[table]
         if not free:
             size = self._next_size.get(table, FIRST_BLOCK)
             self._next_size[table] = min(MAX_BLOCK, size * 2)
             # Popped from the end: reversed so that rows get ids in the order they are made.
             free = self._free[table] = self._draw(table, size)[::-1]
         return free.pop()
+
+    def _draw_expected(self) -> None:
+        expected, self._expected = self._expected, {}
+        tables = list(expected)
+        columns = ", ".join(
+            f"(SELECT array_agg(nextval(CAST(:sequence{i} AS regclass))) FROM generate_series(1, :count{i}))"
+            for i in range(len(tables))
+        )
+        params: dict[str, Any] = {}
+        for i, table in enumerate(tables):
+            params[f"sequence{i}"] = _sequence(self.session, table)
+            params[f"count{i}"] = expected[table]
+        drawn = self.session.execute(text(f"SELECT {columns}"), params).one()
+        for table, ids in zip(tables, drawn, strict=True):
+            # After the ids still free (the list is popped from its end).
+            self._free[table] = sorted(ids, reverse=True) + self._free.get(table, [])
+            self._next_size[table] = min(MAX_BLOCK, max(self._next_size.get(table, FIRST_BLOCK), 2 * expected[table]))
 
     def _draw(self, table: str, count: int) -> list[int]:
         """`count` fresh ids of `table`, ascending, in one query."""

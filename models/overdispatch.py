@@ -78,19 +78,22 @@ def top_up(ctx: RunContext) -> int:
     fill_tails_from_parked(ctx)
     if newest is None or newest.status != StepStatus.OPEN.value:
         return 0
-    live = ctx.session.scalar(
-        select(func.count()).where(
-            _attempts.c.run_id == ctx.run.id, literal_in(_attempts.c.state, LIVE), _attempts.c.step == newest.step
+    # The step's live attempts, and the parked groups it may borrow (supply already
+    # committed): two counts in one round trip, as every batch of results asks for them.
+    live, parked = ctx.session.execute(
+        select(
+            select(func.count())
+            .where(_attempts.c.run_id == ctx.run.id, literal_in(_attempts.c.state, LIVE), _attempts.c.step == newest.step)
+            .scalar_subquery(),
+            select(func.count())
+            .where(
+                _groups.c.run_id == ctx.run.id,
+                _groups.c.parked.is_(True),
+                _groups.c.weight_version >= newest.step - settings.max_lookahead_versions,
+            )
+            .scalar_subquery(),
         )
-    )
-    # Parked groups the newest step may borrow are supply already committed.
-    parked = ctx.session.scalar(
-        select(func.count()).where(
-            _groups.c.run_id == ctx.run.id,
-            _groups.c.parked.is_(True),
-            _groups.c.weight_version >= newest.step - settings.max_lookahead_versions,
-        )
-    )
+    ).one()
     need = newest.num_slots - newest.shrunk - newest.committed - int(parked or 0)
     cap = math.floor(settings.over_dispatch_max_fraction * newest.num_slots) - newest.extras
     sigmas = settings.over_dispatch_sigmas
@@ -126,11 +129,7 @@ def steps_between(open_steps: Sequence[int]) -> list[tuple[int, int | None]]:
 def reaim_stranded_extras(ctx: RunContext) -> int:
     """Move the unstarted extras of steps that are no longer open to the newest open step (with
     that step's staleness floor); returns how many moved. Call after a flush."""
-    open_steps = list(
-        ctx.session.scalars(
-            select(_steps.c.step).where(_steps.c.run_id == ctx.run.id, _steps.c.status == StepStatus.OPEN.value).order_by(_steps.c.step)
-        )
-    )
+    open_steps = [row.step for row in ctx.open_steps()]
     if not open_steps:
         return 0
     target = open_steps[-1]
@@ -240,10 +239,7 @@ def fill_tails_from_parked(ctx: RunContext) -> int:
     """
     filled = 0
     lookahead = ctx.settings.max_lookahead_versions
-    steps = ctx.session.scalars(
-        select(Step).where(_steps.c.run_id == ctx.run.id, _steps.c.status == StepStatus.OPEN.value).order_by(_steps.c.step)
-    ).all()
-    for step in steps:
+    for step in ctx.open_steps():
         open_count = step.num_slots - step.committed - step.shrunk
         if not 0 < open_count <= tail_slots(step.num_slots, ctx.settings.over_dispatch_tail_fraction):
             continue

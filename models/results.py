@@ -57,8 +57,6 @@ from refill.models.tables import (
     RejectReason,
     Slot,
     SlotStatus,
-    Step,
-    StepStatus,
 )
 
 log = logging.getLogger(__name__)
@@ -113,6 +111,8 @@ def record_results(
             continue
         attempts = _preload(ctx, [r.attempt_id for _, r in items])
         ctx.size_caches(len(items))
+        # About one new attempt (and its outbox row) per result, at most.
+        ctx.ids.expect({"attempts": len(items), "outbox": len(items)})
         _warm_caches(ctx)
         for position, result in items:
             attempt = attempts.get(result.attempt_id)
@@ -145,7 +145,7 @@ def _discarded_payload(ctx: RunContext, attempt: AttemptRow | None, result: Resu
 def _preload(ctx: RunContext, attempt_ids: list[int]) -> dict[int, AttemptRow]:
     """Load the batch's attempts, the slots they serve and the run's unfinished steps in three
     queries; the decisions then find them in `ctx.rows` and the session."""
-    session, run_id = ctx.session, ctx.run.id
+    run_id = ctx.run.id
     attempts_table, slots_table = Attempt.__table__, Slot.__table__
     attempts = {
         a.id: a
@@ -162,7 +162,7 @@ def _preload(ctx: RunContext, attempt_ids: list[int]) -> dict[int, AttemptRow]:
                 slots_table.c.run_id == run_id, slot_keys_in(slots_table.c.step, slots_table.c.idx, keys)
             ),
         )
-    ctx.pin(list(session.scalars(select(Step).where(Step.run_id == run_id, Step.status != StepStatus.TRAINED.value))))
+    ctx.unfinished_steps()
     return attempts
 
 

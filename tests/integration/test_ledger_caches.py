@@ -148,6 +148,35 @@ def test_id_blocks_grow_and_never_hand_out_an_id_twice(pg_ledger) -> None:  # ty
     assert sorted(sizes) == [FIRST_BLOCK, FIRST_BLOCK, 2 * FIRST_BLOCK, 2 * FIRST_BLOCK, 4 * FIRST_BLOCK, 4 * FIRST_BLOCK]
 
 
+def test_expected_tables_draw_their_first_blocks_in_one_query(pg_ledger) -> None:  # type: ignore[no-untyped-def]
+    """`expect` sizes the first block of each table a batch makes rows in and draws them all
+    together; ids keep ascending through the blocks that follow, and a table already holding
+    free ids uses those first."""
+    statements: list[str] = []
+
+    def count_draws(conn, cursor, statement, parameters, context, executemany):  # type: ignore[no-untyped-def]
+        if "nextval" in statement:
+            statements.append(statement)
+
+    with pg_ledger.session() as session:
+        blocks = IdBlocks.for_session(session)
+        left_over = blocks.next("outbox")  # a block of FIRST_BLOCK outbox ids, one used
+        event.listen(pg_ledger.engine, "before_cursor_execute", count_draws)
+        try:
+            blocks.expect({"attempts": 40, "outbox": 40, "spare_prompts": 0})
+            attempts = [blocks.next("attempts") for _ in range(40)]
+            outbox = [blocks.next("outbox") for _ in range(40 + FIRST_BLOCK - 1)]
+            assert len(statements) == 1  # both tables' blocks, one query; no spare_prompts block
+            more = [blocks.next("attempts") for _ in range(80)]  # then blocks of 80 as before
+            assert len(statements) == 2
+        finally:
+            event.remove(pg_ledger.engine, "before_cursor_execute", count_draws)
+    assert attempts + more == sorted(attempts + more) and len(set(attempts + more)) == 120
+    # The leftover block first: 55 ids from one query of 40 needed the 15 already free.
+    assert outbox == sorted(outbox) and outbox[0] > left_over
+    assert len(set(outbox)) == len(outbox)
+
+
 def test_sqlite_assigns_its_own_ids(sqlite_ledger) -> None:  # type: ignore[no-untyped-def]
     with sqlite_ledger.session() as session:
         blocks = IdBlocks.for_session(session)
