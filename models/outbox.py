@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 from refill.config import from_snapshot
 from refill.models.context import literal_in
 from refill.models.payload import GenerateMessage
-from refill.models.settings import settings_for
+from refill.models.settings import LedgerSettings, cached_settings, settings_for
 from refill.models.tables import (
     Attempt,
     AttemptState,
@@ -41,6 +41,9 @@ class Outgoing:
     queue: str
     run_id: int
     body: dict[str, Any]
+    #: a generate message's: how long its attempt may wait on the broker, queued, before the
+    #: reaper sends it again (the run's `infra.queue_timeout_seconds`); `mark_sent` sets it
+    queue_timeout_seconds: float | None = None
 
 
 def claim_outbox(
@@ -84,7 +87,7 @@ def claim_outbox(
         rows = _within_room(rows, queue_room(session, metered, queued_per_share) if metered else {})
     if not rows:
         return []
-    runs = {r.id: r for r in session.scalars(select(Run).where(literal_in(Run.id, {row.run_id for row in rows})))}
+    runs = _runs(session, {row.run_id for row in rows})
     attempt_ids = [row.attempt_id for row in rows if row.attempt_id is not None]
     attempts = {
         found.id: found
@@ -97,11 +100,14 @@ def claim_outbox(
     out: list[Outgoing] = []
     moot: list[int] = []
     for row in rows:
-        body = _body(row, runs[row.run_id], attempts)
+        status, settings = runs[row.run_id]
+        body = _body(row, row.run_id, status, settings, attempts)
         if body is None:
             moot.append(row.id)
             continue
-        out.append(Outgoing(row.id, row.kind, QUEUE_OF[row.kind], row.run_id, body))
+        out.append(
+            Outgoing(row.id, row.kind, QUEUE_OF[row.kind], row.run_id, body, settings.queue_timeout_seconds)
+        )
     if moot:
         session.execute(update(table).where(literal_in(table.c.id, moot)).values(sent_at=now))
     if out:
@@ -115,6 +121,26 @@ def claim_outbox(
             )
         )
     return out
+
+
+def _runs(session: Session, run_ids: set[int]) -> dict[int, tuple[str, LedgerSettings]]:
+    """Each run's status and settings. Its config (kilobytes of JSON) is read only when this
+    process has not parsed it yet: a run's config never changes, and a relay pass needs the
+    settings of the same run or two every few tens of milliseconds."""
+    table = Run.__table__
+    found: dict[int, tuple[str, LedgerSettings]] = {}
+    for run_id, status, config_hash in session.execute(
+        select(table.c.id, table.c.status, table.c.config_hash).where(literal_in(table.c.id, run_ids))
+    ).all():
+        settings = cached_settings(run_id, config_hash)
+        if settings is None:
+            settings = settings_for(
+                session.execute(
+                    select(table.c.id, table.c.config_hash, table.c.config).where(table.c.id == run_id)
+                ).one()
+            )
+        found[run_id] = (status, settings)
+    return found
 
 
 def _due_rows(
@@ -265,8 +291,10 @@ def prune_relayed(session: Session, run_id: int, before: datetime, *, chunk: int
     return int(result.rowcount or 0)
 
 
-def _body(row: Any, run: Run, attempts: dict[int, Any]) -> dict[str, Any] | None:
-    if run.status != RunStatus.RUNNING.value:
+def _body(
+    row: Any, run_id: int, status: str, settings: LedgerSettings, attempts: dict[int, Any]
+) -> dict[str, Any] | None:
+    if status != RunStatus.RUNNING.value:
         return None
     if row.kind == OutboxKind.TRAIN_STEP.value:
         return dict(row.payload)
@@ -275,9 +303,8 @@ def _body(row: Any, run: Run, attempts: dict[int, Any]) -> dict[str, Any] | None
         return None
     if found.state not in (AttemptState.PENDING.value, AttemptState.QUEUED.value):
         return None
-    settings = settings_for(run)
     return GenerateMessage(
-        run_id=run.id,
+        run_id=run_id,
         attempt_id=found.id,
         prompt=found.text,
         row=found.row,
@@ -296,16 +323,19 @@ def mark_sent(session: Session, sent: list[Outgoing], now: datetime) -> None:
         return
     table = Outbox.__table__
     session.execute(update(table).where(literal_in(table.c.id, [m.outbox_id for m in sent])).values(sent_at=now))
-    by_run: dict[int, list[int]] = {}
+    by_timeout: dict[float, list[int]] = {}
     for message in sent:
         if message.kind == OutboxKind.GENERATE.value:
-            by_run.setdefault(message.run_id, []).append(message.body["attempt_id"])
-    for run_id, attempt_ids in by_run.items():
-        run = session.get(Run, run_id)
-        assert run is not None
-        timeout = timedelta(seconds=settings_for(run).queue_timeout_seconds)
+            if message.queue_timeout_seconds is None:
+                raise ValueError(
+                    f"generate message of outbox row {message.outbox_id} has no queue timeout: "
+                    "mark_sent takes the messages claim_outbox returned"
+                )
+            by_timeout.setdefault(message.queue_timeout_seconds, []).append(message.body["attempt_id"])
+    attempts = Attempt.__table__
+    for seconds, attempt_ids in by_timeout.items():
+        timeout = timedelta(seconds=seconds)
         # Only a pending attempt becomes queued: a fast worker may already hold its lease.
-        attempts = Attempt.__table__
         session.execute(
             update(attempts)
             .where(literal_in(attempts.c.id, attempt_ids), attempts.c.state == AttemptState.PENDING.value)

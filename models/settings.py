@@ -147,6 +147,12 @@ def _sampler(name: str, window: int | None, freshest: bool, import_path: str | N
 _cache: dict[tuple[int, str], LedgerSettings] = {}
 
 
+def cached_settings(run_id: int, config_hash: str) -> LedgerSettings | None:
+    """The settings `settings_for` parsed for this run and config, or None if it has not yet
+    (a caller that reads runs without their config asks first)."""
+    return _cache.get((run_id, config_hash))
+
+
 def settings_for(run: Any) -> LedgerSettings:
     """Settings of a `Run` row, parsed once per (run, config hash)."""
     key = (run.id, run.config_hash)
