@@ -21,9 +21,10 @@ import numpy as np
 from sqlalchemy import func, insert, select
 
 from refill.models import decisions, skipping
-from refill.models.context import RunContext, literal_in
+from refill.models.context import RunContext
 from refill.models.decisions import spare_refill_needed
 from refill.models.rows import AttemptRow, SpareRow
+from refill.models.sql import literal_in
 from refill.models.tables import Prompt, PromptDraw, Step, StepStatus
 
 #: Places read ahead per query under skipping: at least this many, else twice what is still

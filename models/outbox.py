@@ -18,9 +18,9 @@ from sqlalchemy import delete, func, or_, select, text, update
 from sqlalchemy.orm import Session
 
 from refill.config import from_snapshot
-from refill.models.context import literal_in
 from refill.models.payload import GenerateMessage
 from refill.models.settings import LedgerSettings, cached_settings, settings_for
+from refill.models.sql import literal_in
 from refill.models.tables import (
     Attempt,
     AttemptState,

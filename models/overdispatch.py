@@ -38,12 +38,13 @@ from itertools import pairwise
 from sqlalchemy import and_, case, func, or_, select, update
 
 from refill.models import decisions
-from refill.models.context import GROUP_COLUMNS, SLOT_COLUMNS, RunContext, literal_in
+from refill.models.context import GROUP_COLUMNS, SLOT_COLUMNS, RunContext
 from refill.models.dataloader import mark_taken, take_spare
 from refill.models.metrics import zero_variance_from_counters
 from refill.models.rows import AttemptRow, GroupRow, SlotRow
 from refill.models.samplers import SlotView
 from refill.models.slots import LIVE, dispatch, fill, place, placement_candidates, release_to_extra
+from refill.models.sql import literal_in
 from refill.models.tables import (
     Attempt,
     AttemptReason,

@@ -29,8 +29,6 @@ from refill.models.context import (
     ATTEMPT_COLUMNS,
     SLOT_COLUMNS,
     RunContext,
-    literal_in,
-    slot_keys_in,
 )
 from refill.models.db import UnknownRun
 from refill.models.metrics import zero_variance_from_counters
@@ -49,6 +47,7 @@ from refill.models.slots import (
     placement_candidates,
     replace,
 )
+from refill.models.sql import literal_in, slot_keys_in
 from refill.models.tables import (
     Attempt,
     AttemptState,

@@ -150,7 +150,8 @@ class RowStore:
         saved = self._saved
         result = self.session.execute(statement)
         names = tuple(result.keys())
-        for values in result:
+        # All at once: iterating a result fetches it from the cursor a row at a time.
+        for values in result.all():
             own = dict(zip(names, values, strict=True))
             key = key_of(own)
             row = found.get(key)
@@ -183,7 +184,7 @@ class RowStore:
         found = self._maps[cls]
         key_of = _KEYS[cls]
         out = []
-        for values in result:
+        for values in result.all():
             own = dict(zip(names[:width], values[:width], strict=True))
             key = key_of(own)
             row = found.get(key)

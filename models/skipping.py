@@ -28,8 +28,9 @@ from sqlalchemy.orm import Session
 
 from refill.config import RunConfig, from_snapshot
 from refill.models import decisions
-from refill.models.context import RunContext, literal_in
+from refill.models.context import RunContext
 from refill.models.decisions import GroupKind
+from refill.models.sql import literal_in
 from refill.models.tables import Attempt, Run
 
 #: Mixed into the seed of an epoch's uniforms, so they are not the epoch order's stream.
