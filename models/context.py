@@ -184,25 +184,36 @@ class RunContext:
         to be changed in memory and written with the batch's other rows.
 
         `lock` (a re-aim: the attempt moves to another step, whose staleness floor it must
-        meet) reads its row `FOR UPDATE` first: a worker's lease handshake takes no run lock,
-        so without the row lock it could start the attempt with weights too old for where it
-        is being moved, between this read and the write; with it, the handshake waits for this
-        transaction and then sees where the attempt went (a deadlock with a handshake is
-        retried by `Ledger.transaction`). A hand-over to the step's extras needs no lock: it
-        writes only the attempt's slot and reason, which no handshake writes, and the attempt
-        serves the same step either way; those rows are read for a whole prefix of open slots
-        at once (`prefetch_live`). An attempt made in this transaction needs neither: nobody
-        else can see it yet.
+        meet) reads its row locked first: a worker's lease handshake takes no run lock, so
+        without the row lock it could start the attempt with weights too old for where it is
+        being moved, between this read and the write; with it, the handshake waits for this
+        transaction and then sees where the attempt went. The read skips a row that is locked
+        already, and then the answer is None: a worker is starting that attempt (its handshake
+        holds the row), so it is not moved, and the transaction never waits on a worker.
+        Waiting there deadlocked: a handshake leases a bundle of attempts, and a batch locks
+        the attempts it re-aims one by one, in no common order. The lock is `FOR NO KEY
+        UPDATE`, which a handshake's update takes too, and not `FOR UPDATE`, which would also
+        wait for the foreign-key checks of other transactions' writes (the relay marking an
+        outbox row sent takes a key-share lock on its attempt).
+
+        A hand-over to the step's extras needs no lock: it writes only the attempt's slot and
+        reason, which no handshake writes, and the attempt serves the same step either way;
+        those rows are read for a whole prefix of open slots at once (`prefetch_live`). An
+        attempt made in this transaction needs neither: nobody else can see it yet.
         """
         key = (slot.step, slot.idx)
         found = self._live_in_rows(key)
-        if key not in (self._live_locked if lock else self._live_read):
-            if found is None or self.rows.saved(found, "id") is not None:
-                self._load_live([key], lock=lock)
-                found = self._live_in_rows(key)
-            self._live_read.add(key)
-            if lock:
-                self._live_locked.add(key)
+        if key in (self._live_locked if lock else self._live_read):
+            return found
+        if found is None or self.rows.saved(found, "id") is not None:
+            read = self._load_live([key], lock=lock)
+            if lock and not read:
+                # Locked by a worker's handshake, or no longer live: not this transaction's to move.
+                return None
+            found = self._live_in_rows(key)
+        self._live_read.add(key)
+        if lock:
+            self._live_locked.add(key)
         return found
 
     def prefetch_live(self, slots: list[SlotRow]) -> None:
@@ -212,7 +223,7 @@ class RunContext:
             self._load_live(keys, lock=False)
             self._live_read.update(keys)
 
-    def _load_live(self, keys: list[tuple[int, int]], *, lock: bool) -> None:
+    def _load_live(self, keys: list[tuple[int, int]], *, lock: bool) -> list[AttemptRow]:
         statement = (
             select(*ATTEMPT_COLUMNS)
             .where(
@@ -224,7 +235,9 @@ class RunContext:
         )
         # A locking read refreshes what it finds: another transaction may have written the
         # row since it was first read here.
-        self.rows.load(AttemptRow, statement.with_for_update() if lock else statement, refresh=lock)
+        if lock:
+            statement = statement.with_for_update(key_share=True, skip_locked=True)
+        return self.rows.load(AttemptRow, statement, refresh=lock)
 
     def _live_in_rows(self, key: tuple[int, int]) -> AttemptRow | None:
         for row in self.rows.attempts.values():

@@ -7,7 +7,7 @@ matter are handled here and nowhere else:
   write, so two readers could both try to upgrade and one would fail with "database is locked"
   instead of waiting; we emit `BEGIN IMMEDIATE` so a transaction takes the write lock up front
   and waits for it (busy_timeout).
-- PostgreSQL serialises writers of one run with `SELECT ... FOR UPDATE` on the run row
+- PostgreSQL serialises writers of one run with `SELECT ... FOR NO KEY UPDATE` on the run row
   (`lock_run`), which SQLite does not need.
 """
 
@@ -180,7 +180,13 @@ def lock_run(session: Session, run_id: int) -> Run:
         return run
     # The database's clock comes with the row: every locked transaction decides on it
     # (models/clock.py), and reading it here saves that transaction a round trip.
-    found = session.execute(select(Run, func.now()).where(Run.id == run_id).with_for_update(of=Run)).first()
+    # FOR NO KEY UPDATE: it excludes the other holders of this lock as FOR UPDATE would, but
+    # not the key-share locks that other transactions' foreign-key checks take on the run's
+    # row (a relay marking outbox rows sent, a worker's writes), which would otherwise queue
+    # behind every batch and could close a deadlock with it.
+    found = session.execute(
+        select(Run, func.now()).where(Run.id == run_id).with_for_update(of=Run, key_share=True)
+    ).first()
     if found is None:
         raise UnknownRun(run_id)
     remember_ledger_now(session, found[1])

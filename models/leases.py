@@ -216,7 +216,7 @@ def expire_leases(
                 Attempt.leased_until < ctx.now,
             )
             .order_by(Attempt.id)
-            .with_for_update(),
+            .with_for_update(key_share=True),
         )
         if states
         else []
@@ -251,7 +251,7 @@ def expire_leases(
                     Step.status == StepStatus.TRAINING.value,
                     Step.trainer_lease_until < ctx.now,
                 )
-                .with_for_update()
+                .with_for_update(key_share=True)
             )
         )
         if judged(ctx.settings.trainer_lease_seconds)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from sqlalchemy import event
+from sqlalchemy import event, text
 
 from refill.models.db import Ledger
 from refill.models.leases import expire_leases, extend_lease, start_attempt
@@ -472,6 +472,78 @@ def test_worker_taking_the_lease_between_a_reaims_read_and_write(pg: Ledger, mon
     moved = d.attempt(replacement.id)
     assert (moved.step, moved.state, moved.min_weight_version) == (2, "running", 1)
     assert leases and leases[0] is not None and leases[0].min_weight_version == 1
+    consistent(d)
+
+
+def _push_over_a_replacement(pg: Ledger) -> tuple[Driver, Any, Any]:
+    """The setup of the re-aim races above: step 2's group `pushed` (weights v1) would move
+    to step 1's slot 0, whose live attempt R (a replacement, not started) would move to step 2."""
+    d = Driver(pg, num_prompts=24)
+    d.admit()
+    d.fill_step(0)
+    d.filter_slot(1, 0)
+    replacement = d.live_of(1, 0)
+    assert d.train(0)
+    d.admit()
+    pushed = d.live_of(2, 0)
+    d.start(pushed.id, engine_version=1)
+    return d, replacement, pushed
+
+
+def _record_while_locked(d: Driver, locks: list[str], params: dict[str, Any], pushed_id: int) -> list[Any]:
+    """Record `pushed`'s result while another transaction holds the row locks `locks` take;
+    fails (after letting go of the lock) if recording waited for it."""
+    outcomes: list[Any] = []
+    with d.ledger.engine.connect() as other:
+        holding = other.begin()
+        for lock in locks:
+            other.execute(text(lock), params)
+        thread = threading.Thread(
+            target=lambda: outcomes.extend(
+                d.ledger.transaction(lambda s: record_results(s, [d.result(pushed_id, SPREAD, version=1)], d.now)).outcomes
+            )
+        )
+        thread.start()
+        thread.join(timeout=10)
+        waited = thread.is_alive()
+        holding.rollback()
+    thread.join(timeout=30)
+    assert not waited, "recording the result waited for another transaction's row lock"
+    return outcomes
+
+
+def test_a_reaim_leaves_an_attempt_whose_handshake_holds_its_row(pg: Ledger) -> None:
+    """A worker's lease handshake holds R's row (its update has locked it, not committed): the
+    batch must not wait for it (a handshake leasing a bundle, waiting in turn on a row the batch
+    locked, closed a deadlock) and must not move R, which is being started with the weights it
+    was dispatched for. The group goes to its own slot instead."""
+    d, replacement, pushed = _push_over_a_replacement(pg)
+    outcomes = _record_while_locked(
+        d, ["SELECT id FROM attempts WHERE id = :id FOR NO KEY UPDATE"], {"id": replacement.id}, pushed.id
+    )
+    assert outcomes[0].outcome is Outcome.COMMITTED
+    assert d.slot(2, 0).group_attempt_id == pushed.id
+    kept = d.attempt(replacement.id)
+    assert (kept.step, kept.slot_idx, kept.state) == (1, 0, replacement.state)
+    consistent(d)
+
+
+def test_a_reaim_does_not_wait_for_foreign_key_checks_on_its_rows(pg: Ledger) -> None:
+    """Another transaction holds key-share locks on the run's row and on R's, as a foreign-key
+    check takes them (the relay marking an outbox row sent that it claimed in the same
+    transaction): the run lock and the re-aim's row lock do not conflict with them, so the
+    batch neither waits nor skips R."""
+    d, replacement, pushed = _push_over_a_replacement(pg)
+    outcomes = _record_while_locked(
+        d,
+        ["SELECT 1 FROM runs WHERE id = :run FOR KEY SHARE", "SELECT 1 FROM attempts WHERE id = :id FOR KEY SHARE"],
+        {"run": d.run_id, "id": replacement.id},
+        pushed.id,
+    )
+    assert outcomes[0].outcome is Outcome.COMMITTED
+    assert d.slot(1, 0).group_attempt_id == pushed.id
+    moved = d.attempt(replacement.id)
+    assert (moved.step, moved.min_weight_version) == (2, 1)
     consistent(d)
 
 
