@@ -102,6 +102,8 @@ def start_attempts(
     lease_seconds: float,
     now: datetime | None = None,
     engine_version: int | None = None,
+    *,
+    wait: bool = True,
 ) -> dict[int, Lease]:
     """`start_attempt` for several attempts of one run, in one statement, for a worker that
     already knows the run's lease length (from the run's config, which never changes).
@@ -109,6 +111,13 @@ def start_attempts(
     Takes the lease on each attempt of `run_id` that is pending or queued while the run is
     running; returns the leases taken, by attempt id. An attempt of another run, or one that
     is not ours to run, is left out.
+
+    With `wait=False` an attempt whose row another transaction holds locked is left out too,
+    and the statement never waits. Why: a consumer's batch locks the attempts it changes one
+    decision at a time, in no particular order, and an update of several rows that waits for
+    one of them while holding the others can close a deadlock with it. A worker takes what it
+    can this way, commits, and takes each attempt left out alone (`GenerationService`): a
+    one-row update holds nothing while it waits.
     """
     if not attempt_ids:
         return {}
@@ -117,12 +126,21 @@ def start_attempts(
     table = Attempt.__table__
     runs = Run.__table__
     running = select(runs.c.id).where(runs.c.id == run_id, runs.c.status == RunStatus.RUNNING.value).exists()
+    can_start = (table.c.run_id == run_id, table.c.state.in_([AttemptState.PENDING.value, AttemptState.QUEUED.value]))
+    if wait:
+        chosen = table.c.id.in_(attempt_ids)
+    else:
+        chosen = table.c.id.in_(
+            select(table.c.id)
+            .where(table.c.id.in_(attempt_ids), *can_start)
+            .with_for_update(key_share=True, skip_locked=True)
+            .scalar_subquery()
+        )
     rows = session.execute(
         update(table)
         .where(
-            table.c.id.in_(attempt_ids),
-            table.c.run_id == run_id,
-            table.c.state.in_([AttemptState.PENDING.value, AttemptState.QUEUED.value]),
+            chosen,
+            *can_start,
             running,
         )
         .values(
@@ -138,6 +156,23 @@ def start_attempts(
         .returning(table.c.id, table.c.min_weight_version)
     ).all()
     return {int(i): Lease(int(i), run_id, int(version), lease_seconds) for i, version in rows}
+
+
+def startable(session: Session, run_id: int, attempt_ids: list[int]) -> list[int]:
+    """Those of `attempt_ids` that are pending or queued in `run_id` (read, not locked): after
+    `start_attempts(wait=False)`, the attempts it left out because their rows were busy."""
+    if not attempt_ids:
+        return []
+    table = Attempt.__table__
+    return list(
+        session.scalars(
+            select(table.c.id).where(
+                table.c.id.in_(attempt_ids),
+                table.c.run_id == run_id,
+                table.c.state.in_([AttemptState.PENDING.value, AttemptState.QUEUED.value]),
+            )
+        )
+    )
 
 
 def extend_lease(session: Session, attempt_id: int, worker: str, seconds: float, now: datetime | None = None) -> bool:

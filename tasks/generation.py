@@ -34,7 +34,7 @@ from refill.microbatcher import MicroBatcher
 from refill.models import decisions, rollout_codec
 from refill.models.clock import ledger_now
 from refill.models.db import Ledger
-from refill.models.leases import Lease, start_attempts
+from refill.models.leases import Lease, start_attempts, startable
 from refill.models.payload import (
     ClaimCheckResult,
     GenerateMessage,
@@ -182,14 +182,33 @@ class GenerationService:
         for run_id, attempt_id, seconds, version in requests:
             groups.setdefault((run_id, seconds, version), []).append(attempt_id)
 
+        busy: list[tuple[int, int, float, int | None]] = []
+
         def take(session) -> dict[int, Lease]:  # type: ignore[no-untyped-def]
             taken: dict[int, Lease] = {}
+            busy.clear()
             for (run_id, seconds, version), ids in groups.items():
-                # On the database's clock (now=None), never this machine's.
-                taken.update(start_attempts(session, run_id, ids, self.worker, seconds, None, version))
+                # On the database's clock (now=None), never this machine's. Rows a consumer's
+                # batch holds are left for below: waiting for them here, holding the others,
+                # could deadlock with that batch (`start_attempts`).
+                leased = start_attempts(session, run_id, ids, self.worker, seconds, None, version, wait=False)
+                taken.update(leased)
+                left = [attempt_id for attempt_id in dict.fromkeys(ids) if attempt_id not in leased]
+                busy.extend((run_id, a, seconds, version) for a in startable(session, run_id, left))
             return taken
 
         taken = self.ledger.transaction(take, what="lease handshake")
+        for run_id, attempt_id, seconds, version in busy:
+            # Alone, after the others committed: this waits for the batch that held the row,
+            # then leases the attempt where that batch left it (or finds it is not ours).
+            taken.update(
+                self.ledger.transaction(
+                    lambda s, a=attempt_id, r=run_id, t=seconds, v=version: start_attempts(
+                        s, r, [a], self.worker, t, None, v
+                    ),
+                    what="lease handshake",
+                )
+            )
         out: list[Lease | None] = []
         for _, attempt_id, _, _ in requests:
             out.append(taken.pop(attempt_id, None))

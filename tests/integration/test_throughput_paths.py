@@ -4,9 +4,14 @@ consumer. The invariants of every run are checked after each test (conftest)."""
 
 from __future__ import annotations
 
+import threading
+import time
+
+from sqlalchemy import text
+
 from refill.models.context import RunContext
 from refill.models.dataloader import mark_taken, take_spare
-from refill.models.leases import start_attempts
+from refill.models.leases import start_attempts, startable
 from refill.models.payload import ResultMessage
 from refill.models.results import Outcome
 from refill.models.runs import request_stop, stop_run
@@ -60,6 +65,48 @@ def test_start_attempts_leases_pending_and_queued_attempts_of_a_running_run_only
     ledger.transaction(lambda s: request_stop(s, d.run_id))
     ledger.transaction(lambda s: stop_run(s, d.run_id, d.now))
     assert ledger.transaction(lambda s: start_attempts(s, d.run_id, [fourth], "w1", 30.0, d.now)) == {}
+
+
+def test_a_bundle_handshake_takes_what_it_can_without_waiting_then_the_rest_alone(pg_ledger) -> None:  # type: ignore[no-untyped-def]
+    """Another transaction (a consumer's batch changing the attempt) holds one attempt's row.
+    The bundle's handshake leases and commits the others without waiting for it (waiting while
+    holding them deadlocked with such batches), then takes that one alone once it is free."""
+    from refill.tasks.generation import GenerationService
+
+    d = Driver(pg_ledger)
+    d.admit()
+    d.relay(ids=None)
+    first, busy, last = (d.live_of(0, i).id for i in range(3))
+    with pg_ledger.engine.connect() as other:
+        holding = other.begin()
+        other.execute(text("SELECT id FROM attempts WHERE id = :id FOR NO KEY UPDATE"), {"id": busy})
+        # The statement alone: it leaves the busy row out and does not wait.
+        alone = pg_ledger.transaction(lambda s: start_attempts(s, d.run_id, [first, busy], "probe", 30.0, d.now, wait=False))
+        assert set(alone) == {first}
+        assert pg_ledger.transaction(lambda s: startable(s, d.run_id, [busy, first])) == [busy]
+
+        service = GenerationService(pg_ledger, send_result=lambda body: None, worker="gen-1")
+        leases: list = []  # type: ignore[type-arg]
+        worker = threading.Thread(
+            target=lambda: leases.extend(service._take_leases([(d.run_id, a, 30.0, 0) for a in (busy, last)]))
+        )
+        try:
+            worker.start()
+            deadline = time.monotonic() + 10
+            while d.attempt(last).worker != "gen-1" and time.monotonic() < deadline:
+                time.sleep(0.05)
+            # Committed while the busy row is still held: the bundle did not wait for it.
+            assert d.attempt(last).worker == "gen-1"
+            assert worker.is_alive()  # and the busy one waits, alone, for the holder
+            holding.rollback()
+            worker.join(timeout=30)
+        finally:
+            if holding.is_active:
+                holding.rollback()
+            worker.join(timeout=30)
+            service.close()
+    assert [lease.attempt_id if lease else None for lease in leases] == [busy, last]
+    assert d.attempt(busy).state == "running" and d.attempt(busy).worker == "gen-1"
 
 
 def test_extras_that_fill_slots_hand_their_attempts_over_once_per_batch(ledger) -> None:  # type: ignore[no-untyped-def]
