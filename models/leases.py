@@ -116,8 +116,8 @@ def start_attempts(
     and the statement never waits. Why: a consumer's batch locks the attempts it changes one
     decision at a time, in no particular order, and an update of several rows that waits for
     one of them while holding the others can close a deadlock with it. A worker takes what it
-    can this way, commits, and takes each attempt left out alone (`GenerationService`): a
-    one-row update holds nothing while it waits.
+    can this way, commits, and then takes the attempts left out (`GenerationService`), holding
+    nothing else while it waits for them.
     """
     if not attempt_ids:
         return {}
@@ -127,15 +127,15 @@ def start_attempts(
     runs = Run.__table__
     running = select(runs.c.id).where(runs.c.id == run_id, runs.c.status == RunStatus.RUNNING.value).exists()
     can_start = (table.c.run_id == run_id, table.c.state.in_([AttemptState.PENDING.value, AttemptState.QUEUED.value]))
-    if wait:
-        chosen = table.c.id.in_(attempt_ids)
-    else:
-        chosen = table.c.id.in_(
-            select(table.c.id)
-            .where(table.c.id.in_(attempt_ids), *can_start)
-            .with_for_update(key_share=True, skip_locked=True)
-            .scalar_subquery()
-        )
+    # The rows locked first, in id order (so two handshakes that share attempts wait on each
+    # other rather than deadlock), or, with `wait=False`, only those no one holds.
+    chosen = table.c.id.in_(
+        select(table.c.id)
+        .where(table.c.id.in_(attempt_ids), *can_start)
+        .order_by(table.c.id)
+        .with_for_update(key_share=True, skip_locked=not wait)
+        .scalar_subquery()
+    )
     rows = session.execute(
         update(table)
         .where(

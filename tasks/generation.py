@@ -198,17 +198,22 @@ class GenerationService:
             return taken
 
         taken = self.ledger.transaction(take, what="lease handshake")
-        for run_id, attempt_id, seconds, version in busy:
-            # Alone, after the others committed: this waits for the batch that held the row,
-            # then leases the attempt where that batch left it (or finds it is not ours).
-            taken.update(
-                self.ledger.transaction(
-                    lambda s, a=attempt_id, r=run_id, t=seconds, v=version: start_attempts(
-                        s, r, [a], self.worker, t, None, v
-                    ),
-                    what="lease handshake",
-                )
-            )
+        if busy:
+            # After the others committed, those whose rows were busy (most often the relay's:
+            # it marks them queued in the transaction that published them, and a fast worker
+            # gets here before it commits): waiting for them now holds nothing else, and they
+            # are locked in id order.
+            again: dict[tuple[int, float, int | None], list[int]] = {}
+            for run_id, attempt_id, seconds, version in busy:
+                again.setdefault((run_id, seconds, version), []).append(attempt_id)
+
+            def take_busy(session) -> dict[int, Lease]:  # type: ignore[no-untyped-def]
+                found: dict[int, Lease] = {}
+                for (run_id, seconds, version), ids in again.items():
+                    found.update(start_attempts(session, run_id, ids, self.worker, seconds, None, version))
+                return found
+
+            taken.update(self.ledger.transaction(take_busy, what="lease handshake"))
         out: list[Lease | None] = []
         for _, attempt_id, _, _ in requests:
             out.append(taken.pop(attempt_id, None))

@@ -67,10 +67,10 @@ def test_start_attempts_leases_pending_and_queued_attempts_of_a_running_run_only
     assert ledger.transaction(lambda s: start_attempts(s, d.run_id, [fourth], "w1", 30.0, d.now)) == {}
 
 
-def test_a_bundle_handshake_takes_what_it_can_without_waiting_then_the_rest_alone(pg_ledger) -> None:  # type: ignore[no-untyped-def]
+def test_a_bundle_handshake_takes_what_it_can_without_waiting_then_the_rest(pg_ledger) -> None:  # type: ignore[no-untyped-def]
     """Another transaction (a consumer's batch changing the attempt) holds one attempt's row.
     The bundle's handshake leases and commits the others without waiting for it (waiting while
-    holding them deadlocked with such batches), then takes that one alone once it is free."""
+    holding them deadlocked with such batches), then takes that one once it is free."""
     from refill.tasks.generation import GenerationService
 
     d = Driver(pg_ledger)
@@ -97,7 +97,7 @@ def test_a_bundle_handshake_takes_what_it_can_without_waiting_then_the_rest_alon
                 time.sleep(0.05)
             # Committed while the busy row is still held: the bundle did not wait for it.
             assert d.attempt(last).worker == "gen-1"
-            assert worker.is_alive()  # and the busy one waits, alone, for the holder
+            assert worker.is_alive()  # and the busy one waits for the holder, in a transaction of its own
             holding.rollback()
             worker.join(timeout=30)
         finally:
