@@ -336,8 +336,15 @@ def mark_sent(session: Session, sent: list[Outgoing], now: datetime) -> None:
     for seconds, attempt_ids in by_timeout.items():
         timeout = timedelta(seconds=seconds)
         # Only a pending attempt becomes queued: a fast worker may already hold its lease.
+        pending = (literal_in(attempts.c.id, attempt_ids), attempts.c.state == AttemptState.PENDING.value)
+        # The rows locked in id order, as the consumer's and the workers' updates lock theirs.
         session.execute(
             update(attempts)
-            .where(literal_in(attempts.c.id, attempt_ids), attempts.c.state == AttemptState.PENDING.value)
+            .where(
+                attempts.c.id.in_(
+                    select(attempts.c.id).where(*pending).order_by(attempts.c.id).with_for_update(key_share=True).scalar_subquery()
+                ),
+                *pending,
+            )
             .values(state=AttemptState.QUEUED.value, dispatched_at=now, leased_until=now + timeout)
         )

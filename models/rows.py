@@ -277,8 +277,12 @@ class RowStore:
                 rows = [row for group in shapes.values() for row in group]
                 if all(union <= row.__dict__.keys() for row in rows):
                     shapes = {union: rows}
+        key_of = _KEYS[cls]
         for keys, rows in sorted(shapes.items(), key=lambda item: sorted(item[0])):
-            self._update(cls.table, sorted(keys), rows)
+            # In primary-key order: the statement then locks its rows in that order (as the
+            # relay's and the workers' updates of attempts do), so two of them that meet on
+            # the same rows wait for each other rather than deadlock.
+            self._update(cls.table, sorted(keys), sorted(rows, key=lambda row: key_of(row.__dict__)))
             for row in rows:
                 saved[id(row)] = dict(row.__dict__)
         return sum(len(rows) for rows in shapes.values())
