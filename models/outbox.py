@@ -42,7 +42,8 @@ class Outgoing:
     run_id: int
     body: dict[str, Any]
     #: a generate message's: how long its attempt may wait on the broker, queued, before the
-    #: reaper sends it again (the run's `infra.queue_timeout_seconds`); `mark_sent` sets it
+    #: reaper sends it again (the run's `infra.queue_timeout_seconds`); set by `claim_outbox`,
+    #: read by `mark_sent`
     queue_timeout_seconds: float | None = None
 
 
