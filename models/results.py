@@ -110,7 +110,7 @@ def record_results(
             continue
         attempts = _preload(ctx, [r.attempt_id for _, r in items])
         ctx.size_caches(len(items))
-        # About one new attempt (and its outbox row) per result, at most.
+        # About one new attempt (and its outbox row) per result; more come in growing blocks.
         ctx.ids.expect({"attempts": len(items), "outbox": len(items)})
         _warm_caches(ctx)
         for position, result in items:
