@@ -98,6 +98,21 @@ def claim_outbox(
             .where(literal_in(Attempt.id, attempt_ids))
         ).all()
     } if attempt_ids else {}
+    # The attempts to send, locked now and without waiting: `mark_sent` updates them, and a
+    # relay that waited there for an attempt a consumer's batch held, holding others the
+    # batch then wanted, deadlocked with it. A row whose attempt is busy stays unclaimed for
+    # a later pass (the batch is changing that attempt; the row may be moot by then).
+    sendable = [a.id for a in attempts.values() if a.state in (AttemptState.PENDING.value, AttemptState.QUEUED.value)]
+    busy: set[int] = set()
+    if sendable:
+        ids_column = Attempt.__table__.c.id
+        locked = session.scalars(
+            select(ids_column)
+            .where(literal_in(ids_column, sendable))
+            .order_by(ids_column)
+            .with_for_update(key_share=True, skip_locked=True)
+        ).all()
+        busy = set(sendable) - set(locked)
     out: list[Outgoing] = []
     moot: list[int] = []
     for row in rows:
@@ -105,6 +120,8 @@ def claim_outbox(
         body = _body(row, row.run_id, status, settings, attempts)
         if body is None:
             moot.append(row.id)
+            continue
+        if row.attempt_id in busy:
             continue
         out.append(
             Outgoing(row.id, row.kind, QUEUE_OF[row.kind], row.run_id, body, settings.queue_timeout_seconds)
@@ -337,15 +354,9 @@ def mark_sent(session: Session, sent: list[Outgoing], now: datetime) -> None:
     for seconds, attempt_ids in by_timeout.items():
         timeout = timedelta(seconds=seconds)
         # Only a pending attempt becomes queued: a fast worker may already hold its lease.
-        pending = (literal_in(attempts.c.id, attempt_ids), attempts.c.state == AttemptState.PENDING.value)
-        # The rows locked in id order, as the consumer's and the workers' updates lock theirs.
+        # `claim_outbox` locked their rows in this transaction (the relay's way): no wait here.
         session.execute(
             update(attempts)
-            .where(
-                attempts.c.id.in_(
-                    select(attempts.c.id).where(*pending).order_by(attempts.c.id).with_for_update(key_share=True).scalar_subquery()
-                ),
-                *pending,
-            )
+            .where(literal_in(attempts.c.id, attempt_ids), attempts.c.state == AttemptState.PENDING.value)
             .values(state=AttemptState.QUEUED.value, dispatched_at=now, leased_until=now + timeout)
         )

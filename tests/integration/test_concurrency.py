@@ -14,13 +14,14 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from sqlalchemy import event, text
+from sqlalchemy import event, select, text
 
 from refill.models.db import Ledger
 from refill.models.leases import expire_leases, extend_lease, start_attempt
 from refill.models.outbox import claim_outbox, mark_sent
 from refill.models.results import Outcome, record_results
 from refill.models.rows import RowStore
+from refill.models.tables import Outbox
 from refill.models.training import claim_training, extend_training_lease
 from tests.support import invariants
 from tests.support.driver import SPREAD, Driver
@@ -305,6 +306,44 @@ def test_two_relays_claim_disjoint_messages(pg: Ledger) -> None:
 
     for k in range(ROUNDS):
         one_round(k)
+
+
+def test_the_relay_leaves_a_message_whose_attempt_a_batch_holds_for_its_next_pass(pg: Ledger) -> None:
+    """Another transaction (a consumer's batch changing the attempt) holds one attempt's row:
+    the relay sends the others without waiting for it (waiting there, holding the others, it
+    deadlocked with such batches) and leaves that one's row unclaimed; the next pass sends it."""
+    d = Driver(pg, num_prompts=12)
+    d.admit()
+    busy = d.live_of(0, 1).id
+    sent: list[Any] = []
+    with pg.engine.connect() as other:
+        holding = other.begin()
+        other.execute(text("SELECT id FROM attempts WHERE id = :id FOR NO KEY UPDATE"), {"id": busy})
+
+        def relay_once() -> None:
+            def go(session):  # type: ignore[no-untyped-def]
+                out = claim_outbox(session, claimer="relay", now=d.now)
+                mark_sent(session, out, d.now)
+                return out
+
+            sent.extend(pg.transaction(go))
+
+        thread = threading.Thread(target=relay_once)
+        thread.start()
+        thread.join(timeout=10)
+        waited = thread.is_alive()
+        holding.rollback()
+        thread.join(timeout=30)
+    assert not waited, "the relay waited for a row another transaction held"
+    first = {m.body.get("attempt_id") for m in sent}
+    assert busy not in first and len(first) == 7  # the step's other seven
+    with pg.session() as session:
+        row = session.scalars(select(Outbox).where(Outbox.attempt_id == busy)).one()
+        assert row.sent_at is None and row.claimed_by is None and row.send_count == 0
+    again = d.relay()
+    assert [m.body["attempt_id"] for m in again] == [busy]
+    assert d.attempt(busy).state == "queued"
+    consistent(d)
 
 
 def test_two_trainers_claiming_one_step(pg: Ledger) -> None:
