@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import Any
 
 from sqlalchemy import case, select, update
 from sqlalchemy.orm import Session
@@ -126,7 +127,7 @@ def start_attempts(
     table = Attempt.__table__
     runs = Run.__table__
     running = select(runs.c.id).where(runs.c.id == run_id, runs.c.status == RunStatus.RUNNING.value).exists()
-    can_start = (table.c.run_id == run_id, table.c.state.in_([AttemptState.PENDING.value, AttemptState.QUEUED.value]))
+    can_start = _can_start(run_id)
     # The rows locked first, in id order (so two handshakes that share attempts wait on each
     # other rather than deadlock), or, with `wait=False`, only those no one holds.
     chosen = table.c.id.in_(
@@ -164,15 +165,13 @@ def startable(session: Session, run_id: int, attempt_ids: list[int]) -> list[int
     if not attempt_ids:
         return []
     table = Attempt.__table__
-    return list(
-        session.scalars(
-            select(table.c.id).where(
-                table.c.id.in_(attempt_ids),
-                table.c.run_id == run_id,
-                table.c.state.in_([AttemptState.PENDING.value, AttemptState.QUEUED.value]),
-            )
-        )
-    )
+    return list(session.scalars(select(table.c.id).where(table.c.id.in_(attempt_ids), *_can_start(run_id))))
+
+
+def _can_start(run_id: int) -> tuple[Any, Any]:
+    """An attempt of `run_id` that a worker may still take: pending or queued."""
+    table = Attempt.__table__
+    return table.c.run_id == run_id, table.c.state.in_([AttemptState.PENDING.value, AttemptState.QUEUED.value])
 
 
 def extend_lease(session: Session, attempt_id: int, worker: str, seconds: float, now: datetime | None = None) -> bool:

@@ -433,21 +433,28 @@ def test_trainer_heartbeat_racing_the_reaper_has_one_winner(pg: Ledger) -> None:
         one_round(s, 0.002 * (s % 4))
 
 
+def _push_over_a_replacement(pg: Ledger) -> tuple[Driver, Any, Any]:
+    """The setup of the re-aim races below: step 2's group `pushed` (weights v1) would move
+    to step 1's slot 0, whose live attempt R (a replacement, not started) would move to step 2."""
+    d = Driver(pg, num_prompts=24)
+    d.admit()
+    d.fill_step(0)
+    d.filter_slot(1, 0)
+    replacement = d.live_of(1, 0)
+    assert d.train(0)
+    d.admit()
+    pushed = d.live_of(2, 0)
+    d.start(pushed.id, engine_version=1)
+    return d, replacement, pushed
+
+
 def test_worker_taking_the_lease_racing_a_push_that_reaims_it(pg: Ledger) -> None:
     """(1, 0) waits on replacement R; a v1 group of step 2 wants (1, 0) and R re-aimed at
     step 2, which needs v >= 1, while a worker on v0 takes R's lease. Either R moves first (the
     worker's lease then says v >= 1) or the worker first (R stays: v0 cannot serve step 2)."""
 
     def one_round() -> None:
-        d = Driver(pg, num_prompts=24)
-        d.admit()
-        d.fill_step(0)
-        d.filter_slot(1, 0)
-        replacement = d.live_of(1, 0)
-        assert d.train(0)
-        d.admit()
-        pushed = d.live_of(2, 0)
-        d.start(pushed.id, engine_version=1)
+        d, replacement, pushed = _push_over_a_replacement(pg)
         lease, outcomes = race(
             lambda: d.ledger.transaction(lambda s: start_attempt(s, replacement.id, "w2", d.now, 0)),
             recorder(d, d.result(pushed.id, SPREAD, version=1)),
@@ -474,15 +481,7 @@ def test_worker_taking_the_lease_between_a_reaims_read_and_write(pg: Ledger, mon
     wait for the consumer (R's row is locked when it is read for the re-aim) and then lease R
     for step 2 with weights new enough for it; had it gone first unseen, a v0 worker would
     generate for step 2, beyond the staleness bound."""
-    d = Driver(pg, num_prompts=24)
-    d.admit()
-    d.fill_step(0)
-    d.filter_slot(1, 0)
-    replacement = d.live_of(1, 0)
-    assert d.train(0)
-    d.admit()
-    pushed = d.live_of(2, 0)
-    d.start(pushed.id, engine_version=1)
+    d, replacement, pushed = _push_over_a_replacement(pg)
     leases: list[Any] = []
     threads: list[threading.Thread] = []
     write = RowStore.write
@@ -512,21 +511,6 @@ def test_worker_taking_the_lease_between_a_reaims_read_and_write(pg: Ledger, mon
     assert (moved.step, moved.state, moved.min_weight_version) == (2, "running", 1)
     assert leases and leases[0] is not None and leases[0].min_weight_version == 1
     consistent(d)
-
-
-def _push_over_a_replacement(pg: Ledger) -> tuple[Driver, Any, Any]:
-    """The setup of the re-aim races above: step 2's group `pushed` (weights v1) would move
-    to step 1's slot 0, whose live attempt R (a replacement, not started) would move to step 2."""
-    d = Driver(pg, num_prompts=24)
-    d.admit()
-    d.fill_step(0)
-    d.filter_slot(1, 0)
-    replacement = d.live_of(1, 0)
-    assert d.train(0)
-    d.admit()
-    pushed = d.live_of(2, 0)
-    d.start(pushed.id, engine_version=1)
-    return d, replacement, pushed
 
 
 def _record_while_locked(d: Driver, locks: list[str], params: dict[str, Any], pushed_id: int) -> list[Any]:
