@@ -21,22 +21,30 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import event, func, insert, select
+from sqlalchemy import event, insert, select
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.util import identity_key
 
+from refill.models import sql
 from refill.models.clock import ledger_now
 from refill.models.clock import utcnow as utcnow  # re-exported: where its importers find it
 from refill.models.db import lock_run
 from refill.models.ids import IdBlocks
-from refill.models.rows import AttemptRow, GroupRow, OutboxRow, RowStore, SlotRow, SpareRow
+from refill.models.rows import AttemptRow, GroupRow, OutboxRow, Read, RowStore, SlotRow, SpareRow
 from refill.models.samplers import GroupView, Sampler
 from refill.models.settings import LedgerSettings, settings_for
-from refill.models.sql import literal, literal_in, slot_keys_in
+from refill.models.sql import (
+    ATTEMPT_COLUMNS,
+    GROUP_COLUMNS,
+    SLOT_COLUMNS,
+    SPARE_COLUMNS,
+    slot_keys_in,
+)
 from refill.models.tables import (
     Attempt,
     AttemptState,
@@ -69,15 +77,9 @@ _SLOT_COMMITTED = SlotStatus.COMMITTED.value
 _STEP_OPEN = StepStatus.OPEN.value
 _LIVE = tuple(s.value for s in AttemptState.live())
 
-#: The columns read into rows. A group's payload columns are left out: a group is moved and
-#: lent by its other columns, and only the trainer's claim reads its payload.
-SLOT_COLUMNS = tuple(Slot.__table__.c)
-ATTEMPT_COLUMNS = tuple(Attempt.__table__.c)
-GROUP_COLUMNS = tuple(c for c in Group.__table__.c if c.key not in ("rollout", "completion_texts"))
-SPARE_COLUMNS = tuple(SparePrompt.__table__.c)
+# Re-exported: the columns the ledger's modules read rows with (models/sql.py).
+__all__ = ["ATTEMPT_COLUMNS", "GROUP_COLUMNS", "SLOT_COLUMNS", "SPARE_COLUMNS", "RunContext"]
 _attempts = Attempt.__table__
-# The tables, not the ORM classes, in the queries of the hot paths: a statement that names an
-# ORM attribute is compiled and its result set up by the ORM's machinery, even for columns.
 _slots, _groups, _steps, _spares = Slot.__table__, Group.__table__, Step.__table__, SparePrompt.__table__
 
 
@@ -224,15 +226,7 @@ class RunContext:
             self._live_read.update(keys)
 
     def _load_live(self, keys: list[tuple[int, int]], *, lock: bool) -> list[AttemptRow]:
-        statement = (
-            select(*ATTEMPT_COLUMNS)
-            .where(
-                _attempts.c.run_id == self.run.id,
-                slot_keys_in(_attempts.c.step, _attempts.c.slot_idx, keys),
-                literal_in(_attempts.c.state, _LIVE),
-            )
-            .order_by(_attempts.c.id)
-        )
+        statement = sql.live_attempts(self.run.id, slot_keys_in(_attempts.c.step, _attempts.c.slot_idx, keys))
         # A locking read refreshes what it finds: another transaction may have written the
         # row since it was first read here.
         if lock:
@@ -353,24 +347,11 @@ class RunContext:
             self._load_spares()
         return None
 
-    def warm_spares(self) -> None:
-        """Load the first stored spares now (see results._warm_caches)."""
-        if self._spares_db is None and not self._spares_db_done:
-            self._load_spares()
-
     def _load_spares(self) -> None:
         self.flush()
-        rows = self.rows.load(
-            SpareRow,
-            select(*SPARE_COLUMNS)
-            .where(
-                _spares.c.run_id == self.run.id,
-                _spares.c.taken_at.is_(None),
-                _spares.c.id > self._spares_last_id,
-            )
-            .order_by(_spares.c.id)
-            .limit(SPARE_CHUNK),
-        )
+        self._adopt_spares(self.rows.load(SpareRow, sql.spares(self.run.id, self._spares_last_id, SPARE_CHUNK)))
+
+    def _adopt_spares(self, rows: list[SpareRow]) -> None:
         self._spares_db = deque(r for r in rows if r.taken_at is None)
         if rows:
             self._spares_last_id = rows[-1].id
@@ -409,45 +390,15 @@ class RunContext:
         """
         if self._lendable_parked is None:
             self.flush()
-            earliest_open = (
-                select(func.min(_steps.c.step))
-                .where(_steps.c.run_id == self.run.id, _steps.c.status == _STEP_OPEN)
-                .scalar_subquery()
-            )
-            rows = self.rows.load_with(
-                SlotRow,
-                select(*SLOT_COLUMNS, _groups.c.weight_version.label("lender_version"))
-                .join(_groups, _groups.c.attempt_id == _slots.c.group_attempt_id)
-                .join(_steps, (_steps.c.run_id == _slots.c.run_id) & (_steps.c.step == _slots.c.step))
-                .where(
-                    _slots.c.run_id == self.run.id,
-                    _slots.c.status == _SLOT_COMMITTED,
-                    _steps.c.status == _STEP_OPEN,
-                    _slots.c.step > earliest_open,
-                )
-                .order_by(_slots.c.step.desc(), _slots.c.group_attempt_id.desc())
-                .limit(self._lendable_chunk),
-            )
-            # Two columns, not the groups: only the group a slot borrows is loaded (by
-            # `group`, when it moves). A parked group too stale for the earliest open step can
-            # serve none (it stays parked, unused, for good): left out, or the oldest-first
-            # prefix would fill up with them as a run goes on and hide every group still
-            # lendable.
-            parked = self.session.execute(
-                select(_groups.c.attempt_id, _groups.c.weight_version)
-                .where(
-                    _groups.c.run_id == self.run.id,
-                    _groups.c.parked.is_(True),
-                    _groups.c.weight_version >= earliest_open - self.settings.max_lookahead_versions,
-                )
-                .order_by(_groups.c.weight_version, _groups.c.attempt_id)
-                .limit(self._lendable_chunk)
-            ).all()
-            self._lendable_parked = [GroupView(g.attempt_id, g.weight_version, None, None) for g in parked]
-            self._lendable_committed = [
-                GroupView(slot.group_attempt_id, version, slot.step, slot.idx) for slot, (version,) in rows
-            ]
+            committed, parked = sql.lendable(self.run.id, self.settings.max_lookahead_versions, self._lendable_chunk)
+            self._adopt_lendable(self.rows.load_with(SlotRow, committed), self.session.execute(parked).all())
         return self._lendable_parked, self._lendable_committed, self._lendable_added
+
+    def _adopt_lendable(self, committed: list[tuple[SlotRow, tuple[Any, ...]]], parked: list[Any]) -> None:
+        self._lendable_parked = [GroupView(attempt_id, version, None, None) for attempt_id, version in parked]
+        self._lendable_committed = [
+            GroupView(slot.group_attempt_id, version, slot.step, slot.idx) for slot, (version,) in committed
+        ]
 
     def lendable_added(self, view: GroupView) -> None:
         if self._lendable_parked is not None:
@@ -466,34 +417,23 @@ class RunContext:
             and self.step_open(view.step)
         )
 
-    def _load_open_slots(self, *conditions, order_by: tuple, limit: int) -> list[SlotRow]:  # type: ignore[no-untyped-def]
-        """Open slots of open steps (and `conditions`), as stored after a flush."""
-        self.flush()
-        return self.rows.load(
-            SlotRow,
-            select(*SLOT_COLUMNS)
-            .join(_steps, (_steps.c.run_id == _slots.c.run_id) & (_steps.c.step == _slots.c.step))
-            .where(_slots.c.run_id == self.run.id, _slots.c.status == literal(_SLOT_OPEN), _steps.c.status == _STEP_OPEN, *conditions)
-            .order_by(*order_by)
-            .limit(limit),
-        )
-
     # --- slots waiting on a replacement ----------------------------------------------------
 
     def waiting(self) -> dict[tuple[int, int], SlotRow]:
         """Open slots of open steps whose own prompt was filtered or dropped."""
         if self._waiting is None:
-            rows = self._load_open_slots(
-                _slots.c.needs_replacement.is_(True), order_by=(_slots.c.step, _slots.c.idx), limit=self._waiting_chunk
-            )
-            self._waiting = {}
-            self._waiting_by_step = {}
-            self._waiting_loaded_to = (rows[-1].step, rows[-1].idx) if len(rows) == self._waiting_chunk else None
-            for slot in rows:
-                # In (step, idx) order: appended, not sorted in.
-                self._waiting[(slot.step, slot.idx)] = slot
-                self._waiting_by_step.setdefault(slot.step, []).append(slot)
+            self.flush()
+            self._adopt_waiting(self.rows.load(SlotRow, sql.open_slots(self.run.id, limit=self._waiting_chunk, waiting=True)))
         return self._waiting
+
+    def _adopt_waiting(self, rows: list[SlotRow]) -> None:
+        self._waiting = {}
+        self._waiting_by_step = {}
+        self._waiting_loaded_to = (rows[-1].step, rows[-1].idx) if len(rows) == self._waiting_chunk else None
+        for slot in rows:
+            # In (step, idx) order: appended, not sorted in.
+            self._waiting[(slot.step, slot.idx)] = slot
+            self._waiting_by_step.setdefault(slot.step, []).append(slot)
 
     def waiting_up_to(self, max_step: int, limit: int) -> list[SlotRow]:
         """The first `limit` waiting slots, in (step, index) order, of steps up to `max_step`
@@ -547,11 +487,11 @@ class RunContext:
         found: list[SlotRow] = []
         for _ in range(2):
             if self._open_slots is None:
-                rows = self._load_open_slots(order_by=(_slots.c.step, _slots.c.idx), limit=OPEN_CHUNK)
+                self.flush()
+                rows = self.rows.load(SlotRow, sql.open_slots(self.run.id, limit=OPEN_CHUNK))
                 # A group placed in one of them hands its live attempt over to the extras.
                 self.prefetch_live(rows)
-                self._open_slots = rows
-                self._open_slots_truncated = len(rows) == OPEN_CHUNK
+                self._adopt_open_slots(rows)
             # A scan that stops at the answer: this runs for every placement of a batch, and
             # the prefix is about a batch long.
             loaded = self._open_slots
@@ -583,6 +523,58 @@ class RunContext:
                 return found
             self._open_slots = None
         return found
+
+    def _adopt_open_slots(self, rows: list[SlotRow]) -> None:
+        self._open_slots = rows
+        self._open_slots_truncated = len(rows) == OPEN_CHUNK
+
+    # --- what a batch of results reads before it decides -------------------------------------
+
+    def read_ahead(
+        self,
+        reads: list[Read],
+        then: Callable[[list[list[Any]]], list[Read]],
+        *,
+        waiting: bool,
+        lendable: bool,
+        open_slots: bool,
+    ) -> list[list[Any]]:
+        """Run the caller's `reads`, and then the reads `then` makes of their rows, together
+        with the first loads of the caches a batch of results will look up (the waiting slots;
+        with `lendable` the lenders and the spare pool; with `open_slots` a prefix of open
+        slots and their live attempts), in two round trips (`RowStore.load_all`), before the
+        batch changes anything; returns the rows of the caller's reads, then of `then`'s.
+
+        Loaded one by one on first use, each cache would flush the batch's changes first:
+        several flushes, each a round of statements, in the middle of every batch. Two round
+        trips, not one: reads that depend on others' rows (the slots of the batch's attempts,
+        the live attempts of the open slots) name those rows' keys in the second (`slot_keys_in`),
+        where a subquery in one statement leaves the join order to the planner, which chose a
+        scan of the run's live attempts for each slot when its statistics were stale."""
+        self.flush()
+        parts: list[tuple[list[Read], Callable[..., None]]] = []
+        if waiting and self._waiting is None:
+            parts.append(([Read(SlotRow, sql.open_slots(self.run.id, limit=self._waiting_chunk, waiting=True))], self._adopt_waiting))
+        if lendable and self._lendable_parked is None:
+            committed, parked = sql.lendable(self.run.id, self.settings.max_lookahead_versions, self._lendable_chunk)
+            parts.append(([Read(SlotRow, committed, extra=("lender_version",)), Read(None, parked, extra=("attempt_id", "weight_version"))], self._adopt_lendable))
+        if lendable and self._spares_db is None and not self._spares_db_done:
+            parts.append(([Read(SpareRow, sql.spares(self.run.id, self._spares_last_id, SPARE_CHUNK))], self._adopt_spares))
+        open_prefix = open_slots and self._open_slots is None
+        if open_prefix:
+            parts.append(([Read(SlotRow, sql.open_slots(self.run.id, limit=OPEN_CHUNK))], self._adopt_open_slots))
+        found = self.rows.load_all([*reads, *(read for part, _ in parts for read in part)])
+        own, at = found[: len(reads)], len(reads)
+        for part, adopt in parts:
+            adopt(*found[at : at + len(part)])
+            at += len(part)
+        second = then(own)
+        # A group placed in an open slot hands the slot's live attempt over to the extras.
+        live = [(slot.step, slot.idx) for slot in self._open_slots or ()] if open_prefix else []
+        if live:
+            second.append(Read(AttemptRow, sql.live_attempts(self.run.id, slot_keys_in(_attempts.c.step, _attempts.c.slot_idx, live))))
+            self._live_read.update(live)
+        return own + self.rows.load_all(second)[: len(second) - bool(live)]
 
     def waiting_added(self, slot: SlotRow) -> None:
         if self._waiting is not None:

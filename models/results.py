@@ -34,7 +34,7 @@ from refill.models.db import UnknownRun
 from refill.models.metrics import zero_variance_from_counters
 from refill.models.overdispatch import place_extra, top_up
 from refill.models.payload import ClaimCheckResult, ResultMessage
-from refill.models.rows import AttemptRow, GroupRow, SlotRow
+from refill.models.rows import AttemptRow, GroupRow, Read, SlotRow
 from refill.models.slots import (
     LIVE,
     RunFailed,
@@ -108,11 +108,10 @@ def record_results(
             for position, result in items:
                 outcomes[position] = _reject(session, result, RejectReason.UNKNOWN, f"there is no run {run_id}", at)
             continue
-        attempts = _preload(ctx, [r.attempt_id for _, r in items])
         ctx.size_caches(len(items))
+        attempts = _read_batch(ctx, [r.attempt_id for _, r in items])
         # About one new attempt (and its outbox row) per result; more come in growing blocks.
         ctx.ids.expect({"attempts": len(items), "outbox": len(items)})
-        _warm_caches(ctx)
         for position, result in items:
             attempt = attempts.get(result.attempt_id)
             outcomes[position] = _record_one(ctx, attempt, result)
@@ -141,46 +140,32 @@ def _discarded_payload(ctx: RunContext, attempt: AttemptRow | None, result: Resu
     return result.payload.name
 
 
-def _preload(ctx: RunContext, attempt_ids: list[int]) -> dict[int, AttemptRow]:
-    """Load the batch's attempts, the slots they serve and the run's unfinished steps in three
-    queries; the decisions then find them in `ctx.rows` and the session."""
+def _read_batch(ctx: RunContext, attempt_ids: list[int]) -> dict[int, AttemptRow]:
+    """Read what the batch's decisions will look up, before they change anything: its attempts,
+    the slots they serve and the run's unfinished steps, and the first loads of the context's
+    caches (`RunContext.read_ahead`: all but the steps in two round trips)."""
     run_id = ctx.run.id
     attempts_table, slots_table = Attempt.__table__, Slot.__table__
-    attempts = {
-        a.id: a
-        for a in ctx.rows.load(
-            AttemptRow,
-            select(*ATTEMPT_COLUMNS).where(attempts_table.c.run_id == run_id, literal_in(attempts_table.c.id, attempt_ids)),
-        )
-    }
-    keys = {(a.step, a.slot_idx) for a in attempts.values() if a.slot_idx is not None}
-    if keys:
-        ctx.rows.load(
-            SlotRow,
-            select(*SLOT_COLUMNS).where(
-                slots_table.c.run_id == run_id, slot_keys_in(slots_table.c.step, slots_table.c.idx, keys)
-            ),
-        )
     ctx.unfinished_steps()
-    return attempts
 
+    def their_slots(found: list[list[AttemptRow]]) -> list[Read]:
+        keys = {(a.step, a.slot_idx) for a in found[0] if a.slot_idx is not None}
+        if not keys:
+            return []
+        where = slot_keys_in(slots_table.c.step, slots_table.c.idx, keys)
+        return [Read(SlotRow, select(*SLOT_COLUMNS).where(slots_table.c.run_id == run_id, where))]
 
-def _warm_caches(ctx: RunContext) -> None:
-    """Load what the decisions of a batch will look up, before the batch changes anything.
-
-    Each of these caches loads on first use, and must flush the batch's changes first so
-    that its query sees them: three or four flushes in the middle of a batch, each a round of
-    statements. Loaded here, they find nothing to flush, and the batch's changes are written
-    once, at the end.
-    """
-    if not ctx.running:
-        return
-    ctx.waiting()
-    if ctx.settings.use_dynamic_sampling:
-        ctx.lendable_parts()  # a filtered group's slot borrows
-        ctx.warm_spares()
-    if ctx.settings.over_dispatch or ctx.settings.sampler_name != "in_order":
-        ctx.open_slots(-1, 0)  # an extra, or any group under another sampler, takes an open slot
+    settings, running = ctx.settings, ctx.running
+    found = ctx.read_ahead(
+        [Read(AttemptRow, select(*ATTEMPT_COLUMNS).where(attempts_table.c.run_id == run_id, literal_in(attempts_table.c.id, attempt_ids)))],
+        their_slots,
+        waiting=running,
+        # a filtered group's slot borrows, or takes a spare prompt
+        lendable=running and settings.use_dynamic_sampling,
+        # an extra, or any group under another sampler, takes an open slot
+        open_slots=running and (settings.over_dispatch or settings.sampler_name != "in_order"),
+    )
+    return {a.id: a for a in found[0]}
 
 
 def _reject(

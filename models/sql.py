@@ -1,10 +1,43 @@
-"""SQL spellings the ledger's per-batch queries share: how a list of ids or slot keys, or a
-value a partial index names, is written into a statement so that PostgreSQL and psycopg serve
-it well (each function says why)."""
+"""The ledger's per-batch reads, and the SQL spellings they share: how a list of ids or slot
+keys, or a value a partial index names, is written into a statement so that PostgreSQL and
+psycopg serve it well (each function says why).
+
+The reads are built here and run by `RunContext` (models/context.py), which keeps what they
+return for the rest of its transaction; a batch of results runs several of them in one round
+trip (`RunContext.read_ahead`)."""
 
 from __future__ import annotations
 
-from sqlalchemy import and_, bindparam, or_
+from typing import Any
+
+from sqlalchemy import and_, bindparam, func, or_, select
+from sqlalchemy.sql import ColumnElement, Select
+
+from refill.models.tables import (
+    Attempt,
+    AttemptState,
+    Group,
+    Slot,
+    SlotStatus,
+    SparePrompt,
+    Step,
+    StepStatus,
+)
+
+#: The columns read into rows. A group's payload columns are left out: a group is moved and
+#: lent by its other columns, and only the trainer's claim reads its payload.
+SLOT_COLUMNS = tuple(Slot.__table__.c)
+ATTEMPT_COLUMNS = tuple(Attempt.__table__.c)
+GROUP_COLUMNS = tuple(c for c in Group.__table__.c if c.key not in ("rollout", "completion_texts"))
+SPARE_COLUMNS = tuple(SparePrompt.__table__.c)
+# The tables, not the ORM classes, in the queries of the hot paths: a statement that names an
+# ORM attribute is compiled and its result set up by the ORM's machinery, even for columns.
+_attempts, _slots, _groups = Attempt.__table__, Slot.__table__, Group.__table__
+_steps, _spares = Step.__table__, SparePrompt.__table__
+# Enum members' .value is a property call; plain strings in the statements.
+_SLOT_OPEN, _SLOT_COMMITTED = SlotStatus.OPEN.value, SlotStatus.COMMITTED.value
+_STEP_OPEN = StepStatus.OPEN.value
+_LIVE = tuple(s.value for s in AttemptState.live())
 
 
 def literal_in(column, values):  # type: ignore[no-untyped-def]
@@ -29,3 +62,77 @@ def literal(value):  # type: ignore[no-untyped-def]
     'open'`) can serve the query under a generic (prepared) plan, where a bound parameter could
     be any value."""
     return bindparam(None, value, literal_execute=True)
+
+
+# --- the reads ---------------------------------------------------------------------------
+
+
+def open_slots(run_id: int, *, limit: int, waiting: bool = False) -> Select[Any]:
+    """The first `limit` open slots of open steps in (step, index) order; with `waiting`, only
+    those waiting on a replacement (their own prompt was filtered or dropped)."""
+    conditions = [_slots.c.needs_replacement.is_(True)] if waiting else []
+    return (
+        select(*SLOT_COLUMNS)
+        .join(_steps, (_steps.c.run_id == _slots.c.run_id) & (_steps.c.step == _slots.c.step))
+        .where(_slots.c.run_id == run_id, _slots.c.status == literal(_SLOT_OPEN), _steps.c.status == _STEP_OPEN, *conditions)
+        .order_by(_slots.c.step, _slots.c.idx)
+        .limit(limit)
+    )
+
+
+def live_attempts(run_id: int, slots_are: ColumnElement[bool]) -> Select[Any]:
+    """The live attempts aimed at the slots `slots_are` picks, in id order."""
+    return (
+        select(*ATTEMPT_COLUMNS)
+        .where(_attempts.c.run_id == run_id, slots_are, literal_in(_attempts.c.state, _LIVE))
+        .order_by(_attempts.c.id)
+    )
+
+
+def spares(run_id: int, after_id: int, limit: int) -> Select[Any]:
+    """The oldest `limit` untaken spare prompts with ids above `after_id`."""
+    return (
+        select(*SPARE_COLUMNS)
+        .where(_spares.c.run_id == run_id, _spares.c.taken_at.is_(None), _spares.c.id > after_id)
+        .order_by(_spares.c.id)
+        .limit(limit)
+    )
+
+
+def lendable(run_id: int, max_lookahead_versions: int, limit: int) -> tuple[Select[Any], Select[Any]]:
+    """The groups a slot may borrow, as two reads of at most `limit` rows: the slots of open
+    steps that hold a committed group (with the group's weight version, `lender_version`),
+    latest step and then latest attempt first, and parked groups (attempt id and weight
+    version), oldest weights first. Groups of the earliest open step are left out: only an
+    earlier step may borrow, and none is open."""
+    earliest_open = (
+        select(func.min(_steps.c.step)).where(_steps.c.run_id == run_id, _steps.c.status == _STEP_OPEN).scalar_subquery()
+    )
+    committed = (
+        select(*SLOT_COLUMNS, _groups.c.weight_version.label("lender_version"))
+        .join(_groups, _groups.c.attempt_id == _slots.c.group_attempt_id)
+        .join(_steps, (_steps.c.run_id == _slots.c.run_id) & (_steps.c.step == _slots.c.step))
+        .where(
+            _slots.c.run_id == run_id,
+            _slots.c.status == _SLOT_COMMITTED,
+            _steps.c.status == _STEP_OPEN,
+            _slots.c.step > earliest_open,
+        )
+        .order_by(_slots.c.step.desc(), _slots.c.group_attempt_id.desc())
+        .limit(limit)
+    )
+    # Two columns, not the groups: only the group a slot borrows is loaded (when it moves). A
+    # parked group too stale for the earliest open step can serve none (it stays parked,
+    # unused, for good): left out, or the oldest-first prefix would fill up with them as a run
+    # goes on and hide every group still lendable.
+    parked = (
+        select(_groups.c.attempt_id, _groups.c.weight_version)
+        .where(
+            _groups.c.run_id == run_id,
+            _groups.c.parked.is_(True),
+            _groups.c.weight_version >= earliest_open - max_lookahead_versions,
+        )
+        .order_by(_groups.c.weight_version, _groups.c.attempt_id)
+        .limit(limit)
+    )
+    return committed, parked

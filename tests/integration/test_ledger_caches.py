@@ -221,3 +221,62 @@ def test_lenders_leave_out_parked_groups_too_stale_for_every_open_step(ledger, m
 
     with pytest.raises(Rollback):
         ledger.transaction(look)
+
+
+def test_reads_run_together_return_what_each_query_returns_alone(ledger) -> None:  # type: ignore[no-untyped-def]
+    """`RowStore.load_all` (one statement on PostgreSQL, the rows carried as JSON) returns the
+    same rows, values and types as one query per read: timestamps, floats that are whole
+    numbers, JSON, NULLs, each read's order and LIMIT, extra columns and plain tuples."""
+    from refill.models import sql
+    from refill.models.rows import AttemptRow, Read, RowStore, SlotRow, SpareRow
+
+    d = Driver(ledger, {"grpo": {"num_prompts_per_step": 8}, "async_rl": {"max_lookahead_versions": 1}}, num_prompts=80)
+    d.admit()
+    d.commit_slot(1, 3)
+    d.commit_slot(1, 5, rewards=[0.0, 1.0] * 8)  # a reward mean of 0.5, a min and max of 0.0 and 1.0
+    d.filter_slot(0, 2)  # borrows from step 1: its slot waits, with timestamps and a float mean
+    d.filter_slot(0, 4)
+    for idx in (6, 7, 0, 1):  # the first fill step 0's waiting slots, the rest are lenders
+        d.commit_slot(1, idx)
+    run_id = d.run_id
+    attempts_table = Attempt.__table__
+
+    def reads() -> list[Read]:
+        committed, parked = sql.lendable(run_id, 1, 16)
+        return [
+            Read(AttemptRow, select(*context_module.ATTEMPT_COLUMNS).where(attempts_table.c.run_id == run_id).order_by(attempts_table.c.id.desc())),
+            Read(SlotRow, sql.open_slots(run_id, limit=1, waiting=True)),
+            Read(SlotRow, sql.open_slots(run_id, limit=5)),
+            Read(SlotRow, committed, extra=("lender_version",)),
+            Read(None, parked, extra=("attempt_id", "weight_version")),
+            Read(SpareRow, sql.spares(run_id, 0, 4)),
+        ]
+
+    def typed(found):  # type: ignore[no-untyped-def]
+        def one(item):  # type: ignore[no-untyped-def]
+            if isinstance(item, tuple) and item and isinstance(item[0], SlotRow):
+                return (one(item[0]), item[1], [type(v) for v in item[1]])
+            if isinstance(item, tuple):
+                return (item, [type(v) for v in item])
+            return sorted((k, v, type(v)) for k, v in item.__dict__.items())
+        return [[one(item) for item in rows] for rows in found]
+
+    def look(session):  # type: ignore[no-untyped-def]
+        together = RowStore(session).load_all(reads())
+        store = RowStore(session)
+        alone = [
+            store.load(r.cls, r.statement) if r.cls is not None and not r.extra
+            else store.load_with(r.cls, r.statement) if r.cls is not None
+            else [tuple(row) for row in session.execute(r.statement).all()]
+            for r in reads()
+        ]
+        assert [len(rows) for rows in together] == [len(rows) for rows in alone]
+        assert len(together[1]) == 1 and len(together[2]) == 5 and together[3]  # LIMITs held; a lender
+        assert typed(together) == typed(alone)
+        means = {a.reward_mean for a in together[0] if a.reward_mean is not None}
+        assert 0.5 in means and any(float(m).is_integer() for m in means)
+        assert all(isinstance(m, float) for m in means)
+        raise Rollback
+
+    with pytest.raises(Rollback):
+        ledger.transaction(look)
