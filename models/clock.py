@@ -16,8 +16,9 @@ in refill.tasks.chaos) to prove that nothing decides on it.
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import DateTime, func, select
 from sqlalchemy.orm import Session
 
 _offset = timedelta(0)
@@ -48,6 +49,24 @@ def ledger_now(session: Session) -> datetime:
     # later transaction of the same session reads it again.
     session.info[_CACHE] = (session.get_transaction(), now)
     return now
+
+
+def ledger_now_in(session: Session, now: datetime | None = None) -> Any:
+    """The ledger's clock for a statement to write: `now` if given (a test's, a simulation's),
+    else what `ledger_now` would return, but on PostgreSQL, where the transaction has not read
+    it yet, as `now()` inside the statement itself. A worker's lease handshake and heartbeat
+    are one statement each: reading the clock first was a round trip of its own, a third of
+    the handshake's."""
+    if now is not None:
+        return now
+    if session.get_bind().dialect.name != "postgresql":
+        return utcnow()
+    cached = session.info.get(_CACHE)
+    if cached is not None and cached[0] is session.get_transaction():
+        return cached[1]
+    # Typed as a plain timestamp: `now + timedelta` is then an interval sum, where the column
+    # type's own decorator would bind the timedelta as a timestamp.
+    return func.now(type_=DateTime(timezone=True))
 
 
 def remember_ledger_now(session: Session, now: datetime) -> None:

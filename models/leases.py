@@ -21,7 +21,7 @@ from sqlalchemy import case, select, update
 from sqlalchemy.orm import Session
 
 from refill.models.barrier import queue_training
-from refill.models.clock import ledger_now, ledger_up_seconds
+from refill.models.clock import ledger_now, ledger_now_in, ledger_up_seconds
 from refill.models.context import ATTEMPT_COLUMNS, RunContext
 from refill.models.rows import AttemptRow
 from refill.models.settings import settings_for
@@ -122,7 +122,7 @@ def start_attempts(
     """
     if not attempt_ids:
         return {}
-    now = now or ledger_now(session)
+    now = ledger_now_in(session, now)
     floor = engine_version if engine_version is not None else 0
     table = Attempt.__table__
     runs = Run.__table__
@@ -176,7 +176,7 @@ def _can_start(run_id: int) -> tuple[Any, Any]:
 
 def extend_lease(session: Session, attempt_id: int, worker: str, seconds: float, now: datetime | None = None) -> bool:
     """Heartbeat: push the lease out; False when the attempt is no longer ours."""
-    now = now or ledger_now(session)
+    now = ledger_now_in(session, now)
     return bool(
         session.execute(
             update(Attempt)

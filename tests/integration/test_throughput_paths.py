@@ -67,6 +67,53 @@ def test_start_attempts_leases_pending_and_queued_attempts_of_a_running_run_only
     assert ledger.transaction(lambda s: start_attempts(s, d.run_id, [fourth], "w1", 30.0, d.now)) == {}
 
 
+def test_a_worker_handshake_and_heartbeat_write_the_ledger_clock_without_reading_it_first(ledger) -> None:  # type: ignore[no-untyped-def]
+    """A worker passes no clock: the lease is written with the database's (PostgreSQL's
+    now(), inside the statement: no round trip of its own), and the heartbeat the same way."""
+    from datetime import timedelta
+
+    from sqlalchemy import event, func, select
+
+    from refill.models.clock import utcnow
+    from refill.models.leases import extend_lease
+
+    d = Driver(ledger)
+    d.admit()
+    attempt_id = d.live_of(0, 0).id
+    seen: list[str] = []
+
+    def record(conn, cursor, statement, *args):  # type: ignore[no-untyped-def]
+        seen.append(statement)
+
+    def clock_reads() -> list[str]:
+        return [s for s in seen if s.lstrip().lower().startswith("select now()")]
+
+    def handshake(session):  # type: ignore[no-untyped-def]
+        leases = start_attempts(session, d.run_id, [attempt_id], "w1", 30.0)
+        reads = clock_reads()
+        # The transaction's clock, read after the handshake (now() is the transaction's start).
+        return leases, reads, session.scalar(select(func.now())) if ledger.dialect == "postgresql" else None
+
+    event.listen(ledger.engine, "before_cursor_execute", record)
+    try:
+        leases, reads, at = ledger.transaction(handshake)
+        row = d.attempt(attempt_id)
+        seen.clear()
+        assert ledger.transaction(lambda s: extend_lease(s, attempt_id, "w1", 90.0))
+        heartbeat_reads = clock_reads()
+    finally:
+        event.remove(ledger.engine, "before_cursor_execute", record)
+    assert reads == [] and heartbeat_reads == []
+    assert set(leases) == {attempt_id}
+    if at is None:  # SQLite: this process's clock is the ledger's
+        at = row.started_at
+        assert abs((utcnow() - at).total_seconds()) < 60
+    assert row.started_at == at and row.dispatched_at == at
+    assert row.leased_until == at + timedelta(seconds=30)
+    # The heartbeat pushed the lease out from its own transaction's clock.
+    assert d.attempt(attempt_id).leased_until >= at + timedelta(seconds=90)
+
+
 def test_a_bundle_handshake_takes_what_it_can_without_waiting_then_the_rest(pg_ledger) -> None:  # type: ignore[no-untyped-def]
     """Another transaction (a consumer's batch changing the attempt) holds one attempt's row.
     The bundle's handshake leases and commits the others without waiting for it (waiting while
