@@ -31,7 +31,9 @@ Redis cannot be reached).
 
 Results come from the `sim` back-end's model (prompt difficulty, n completions of
 `tokens_per_completion` tokens, `refill.rewards.sim:solved`), made outside the timers. `--profile`
-prints the top functions (cumulative time) of the record phase, where the time goes.
+prints the top functions (cumulative time) of the record phase, where the time goes. `--rtt-ms`
+makes every SQL round trip wait that long first, as for a ledger on another host (what saving a
+round trip is worth only shows at that price).
 
 The floor (`bench/floor.py`), measured in each round: every row the step's transactions wrote
 (read back after each commit, outside the timers) written again into a scratch database with
@@ -370,6 +372,21 @@ def _relay(session, claim_outbox, mark_sent, limit):  # type: ignore[no-untyped-
     return sent
 
 
+def simulate_round_trip(seconds: float) -> None:
+    """Make every SQL round trip of this process wait `seconds` first (`--rtt-ms`): a
+    loopback connection costs about 0.1 ms a round trip, a ledger on another host several
+    times that, and what a change saves in round trips only shows at that price. One wait per
+    cursor execute (an executemany is pipelined: one round trip) and per commit."""
+    from sqlalchemy import event
+    from sqlalchemy.engine import Engine
+
+    def wait(*_args: Any, **_kw: Any) -> None:
+        time.sleep(seconds)
+
+    event.listen(Engine, "before_cursor_execute", wait)
+    event.listen(Engine, "commit", wait)
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench overhead", description=__doc__.split("\n\n")[0])
     parser.add_argument("--groups", type=int, default=4096, help="N, groups of the step")
@@ -393,6 +410,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--profile-out", default=None, help="also write the profile to this file (for pstats/snakeviz)")
     parser.add_argument("--statements", action="store_true", help="count SQL statements per phase")
+    parser.add_argument(
+        "--rtt-ms", type=float, default=0.0,
+        help="simulated network latency: every SQL round trip (a statement, an executemany, a "
+        "commit) of this process first waits this long, as for a ledger on another host; the floor pays it too",
+    )
     parser.add_argument("--target", type=float, default=2.0, help="seconds")
     return parser.parse_args(argv)
 
@@ -407,9 +429,12 @@ def main(argv: list[str] | None = None) -> int:
 
     print(
         f"overhead: one step of {args.groups} groups, p={args.p}, n={args.n} x {args.tokens} tokens, consumer batches of "
-        f"{args.batch}, PostgreSQL, {os.cpu_count()} CPUs, load average {load_average()}",
+        f"{args.batch}, PostgreSQL, {os.cpu_count()} CPUs, load average {load_average()}"
+        + (f", a simulated round trip of {args.rtt_ms:g} ms" if args.rtt_ms > 0 else ""),
         flush=True,
     )
+    if args.rtt_ms > 0:
+        simulate_round_trip(args.rtt_ms / 1000.0)
     rounds: list[Timers] = []
     # CPU time, not wall time: waits on the database (and on other processes for a core) drop out.
     profile = cProfile.Profile(time.process_time) if args.profile else None

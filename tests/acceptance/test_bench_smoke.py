@@ -37,7 +37,8 @@ def test_fill_bench_prints_three_strategies_with_staleness_in_bound() -> None:
 
 
 def test_overhead_bench_prints_each_phase_and_the_target() -> None:
-    out = run_bench("overhead", "--groups", "64", "--repeat", "1", "--tokens", "40")
+    out = run_bench("overhead", "--groups", "64", "--repeat", "1", "--tokens", "40", "--rtt-ms", "0.1")
+    assert "a simulated round trip of 0.1 ms" in out, out
     assert "n=16 x 40 tokens" in out and "; 40.0 tokens per completion" in out, out  # as asked, recorded
     for phase in ("admission", "relay", "record", "release", "metrics", "controller overhead"):
         assert re.search(rf"^{phase}\s+[\d.]+\s+[\d.]+", out, re.MULTILINE), (phase, out)
