@@ -191,6 +191,15 @@ class Step(Base):
         CheckConstraint(
             "status = 'open' OR committed = num_slots - shrunk", name="released_steps_are_full"
         ),
+        # The steps not trained yet: every batch reads them, and the earliest open one; by the
+        # primary key alone both walked every step the run ever had (migration 0011).
+        Index(
+            "ix_steps_unfinished",
+            "run_id",
+            "step",
+            postgresql_where=text("status <> 'trained'"),
+            sqlite_where=text("status <> 'trained'"),
+        ),
     )
 
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
