@@ -20,6 +20,7 @@ from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import Select, func, or_, select, text
+from sqlalchemy.orm import Session
 
 from refill.admin.console import redact_url
 from refill.models.context import utcnow
@@ -91,27 +92,32 @@ class RunState:
 
 
 def read_ledger(ledger: Ledger, recent_minutes: float) -> tuple[list[RunState], dict[tuple[int, str], int]]:
-    """The exported runs and their rejected results by (run, reason), in one read transaction."""
-    with ledger.session() as session:
-        runs = {
-            row.id: RunState(
-                row.id, row.name, row.status, int(row.spare_prompts_available or 0), int(row.scored_groups or 0),
-                int(row.zero_variance_groups or 0), int(row.weight_version or 0),
-            )
-            for row in session.execute(runs_query(recent_minutes))
-        }
-        ids = list(runs)
-        rejected: dict[tuple[int, str], int] = {}
-        if ids:
-            for run_id, count in session.execute(open_slots_query(ids)):
-                runs[run_id].open_slots = int(count)
-            for run_id, count in session.execute(live_attempts_query(ids)):
-                runs[run_id].live_attempts = int(count)
-            for run_id, reason, count in session.execute(rejected_query(ids)):
-                rejected[(int(run_id), str(reason))] = int(count)
-            for run_id, state in runs.items():
-                risk = session.scalar(latest_risk_query(run_id))
-                state.risk = float(risk) if risk is not None else None
+    """The exported runs and their rejected results by (run, reason), in one read transaction,
+    run once more if its connection had dropped (the pool does not ping a connection before
+    lending it: after a database restart the first use of each fails, models/db.py)."""
+    return ledger.transaction(lambda session: _read_ledger(session, recent_minutes), attempts=2, what="exporter read")
+
+
+def _read_ledger(session: Session, recent_minutes: float) -> tuple[list[RunState], dict[tuple[int, str], int]]:
+    runs = {
+        row.id: RunState(
+            row.id, row.name, row.status, int(row.spare_prompts_available or 0), int(row.scored_groups or 0),
+            int(row.zero_variance_groups or 0), int(row.weight_version or 0),
+        )
+        for row in session.execute(runs_query(recent_minutes))
+    }
+    ids = list(runs)
+    rejected: dict[tuple[int, str], int] = {}
+    if ids:
+        for run_id, count in session.execute(open_slots_query(ids)):
+            runs[run_id].open_slots = int(count)
+        for run_id, count in session.execute(live_attempts_query(ids)):
+            runs[run_id].live_attempts = int(count)
+        for run_id, reason, count in session.execute(rejected_query(ids)):
+            rejected[(int(run_id), str(reason))] = int(count)
+        for run_id, state in runs.items():
+            risk = session.scalar(latest_risk_query(run_id))
+            state.risk = float(risk) if risk is not None else None
     return list(runs.values()), rejected
 
 
