@@ -228,8 +228,9 @@ class RowStore:
 
         On PostgreSQL they are one statement, each read's rows aggregated into a JSON array
         in its own order: a batch of results reads eight prefixes of the run's state before it
-        decides, and at about a millisecond of driver and SQLAlchemy time per statement the
-        round trips cost more than the rows. JSON carries timestamps as text and whole
+        decides, and each read alone is a round trip, whose latency a ledger on another host
+        pays on every batch (`bench overhead --rtt-ms`; on one machine the JSON costs about
+        what the round trips saved, bench/README.md). JSON carries timestamps as text and whole
         numbers of float columns as integers; each table's columns are read back to the types
         a plain query returns (`_json_readers`). All reads see one snapshot, as the separate
         queries do under the run's lock. Elsewhere (SQLite, in process) one query each."""
