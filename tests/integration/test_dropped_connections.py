@@ -1,7 +1,6 @@
-"""The ledger's pool lends connections without pinging them first (models/db.py): a
-connection the database dropped is found out by the transaction that uses it, which runs
-again on a fresh one. Each process pays one retry after a restart, not a round trip per
-transaction."""
+"""A pooled connection the database dropped costs a transaction nothing: the pool's ping
+finds it out on checkout, and a connection that drops under a transaction makes
+`Ledger.transaction` (and the exporter's read) run again on a fresh one."""
 
 from __future__ import annotations
 
@@ -25,16 +24,15 @@ def _drop_connections(url: str, application_name: str) -> int:
 def test_a_transaction_on_a_dropped_connection_runs_again_on_a_fresh_one(pg_url) -> None:  # type: ignore[no-untyped-def]
     ledger = Ledger(pg_url, application_name="refill-test-dropped")
     try:
-        assert ledger.engine.pool._pre_ping is False  # what this test is about
         pid = ledger.transaction(lambda s: s.scalar(text("SELECT pg_backend_pid()")))
         assert _drop_connections(pg_url, "refill-test-dropped") == 1
-        # The pooled connection is dead; the unit of work finds out and runs again.
+        # The pooled connection is dead; the transaction still runs, on a fresh one.
         again = ledger.transaction(lambda s: s.scalar(text("SELECT pg_backend_pid()")))
         assert again != pid
         # The exporter's read (one retry) as well.
         ledger.transaction(lambda s: s.scalar(text("SELECT 1")))
         assert _drop_connections(pg_url, "refill-test-dropped") == 1
-        runs, rejected = read_ledger(ledger, recent_minutes=60)  # would raise without the retry
+        runs, rejected = read_ledger(ledger, recent_minutes=60)
         assert isinstance(runs, list) and isinstance(rejected, dict)
     finally:
         ledger.dispose()
