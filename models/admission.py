@@ -13,8 +13,9 @@ from refill.models import decisions
 from refill.models.context import RunContext
 from refill.models.dataloader import add_to_pool, draw, refill_spare_pool
 from refill.models.overdispatch import top_up
+from refill.models.rows import StepRow
 from refill.models.slots import attempt_values, generate_outbox_values
-from refill.models.tables import Attempt, AttemptReason, Outbox, Slot, SlotStatus, Step, StepStatus
+from refill.models.tables import Attempt, AttemptReason, Outbox, Slot, SlotStatus, StepStatus
 
 
 @dataclass
@@ -25,11 +26,9 @@ class Admitted:
 
 def admit_steps(session: Session, run_id: int, now: datetime | None = None) -> Admitted:
     """Admit every step the gate allows; draw the spare pool up to its mark."""
-    ctx = RunContext.open(session, run_id, now)
-    result = Admitted(steps=admit(ctx))
-    ctx.flush()
-    result.outbox_ids = ctx.outbox_ids
-    return result
+    with RunContext.open(session, run_id, now) as ctx:
+        steps = admit(ctx)
+    return Admitted(steps=steps, outbox_ids=ctx.outbox_ids)
 
 
 def admit(ctx: RunContext) -> list[int]:
@@ -59,7 +58,7 @@ def admit(ctx: RunContext) -> list[int]:
     return steps
 
 
-def open_step(ctx: RunContext, step: int, prompt_ids: list[int]) -> Step:
+def open_step(ctx: RunContext, step: int, prompt_ids: list[int]) -> StepRow:
     """The step's row, its slots, each slot's first attempt and that attempt's outbox row.
 
     The slots, attempts and outbox rows are written as three multi-row inserts without ORM
@@ -69,19 +68,21 @@ def open_step(ctx: RunContext, step: int, prompt_ids: list[int]) -> Step:
     it does rows written by earlier transactions.
     """
     settings, run_id, now = ctx.settings, ctx.run.id, ctx.now
-    row = Step(
-        run_id=run_id,
-        step=step,
-        status=StepStatus.OPEN.value,
-        num_slots=len(prompt_ids),
-        committed=0,
-        shrunk=0,
-        dropped_shrunk=0,
-        admitted_at=now,
-        train_claims=0,
+    row = ctx.rows.new(
+        StepRow,
+        {
+            "run_id": run_id,
+            "step": step,
+            "status": StepStatus.OPEN.value,
+            "num_slots": len(prompt_ids),
+            "committed": 0,
+            "shrunk": 0,
+            "dropped_shrunk": 0,
+            "admitted_at": now,
+            "train_claims": 0,
+            "extras": 0,
+        },
     )
-    ctx.session.add(row)
-    ctx.step_added(row)
     # The step must be in the database before its slots.
     ctx.flush()
     ctx.session.execute(

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from refill.models import decisions, metrics
 from refill.models.context import RunContext
-from refill.models.tables import OutboxKind, Step, StepStatus
+from refill.models.rows import StepRow
+from refill.models.tables import OutboxKind, StepStatus
 
 
-def maybe_release(ctx: RunContext, step: Step) -> bool:
+def maybe_release(ctx: RunContext, step: StepRow) -> bool:
     """The barrier: release a full step exactly once and queue its training.
 
     Exactly once because every writer of the run's slots holds the run's row lock (see

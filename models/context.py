@@ -6,15 +6,16 @@ makes (`rows`, a `models.rows.RowStore`: plain rows read and written with Core, 
 and the outbox rows it wrote (so a caller can relay them at once after commit instead of
 waiting for the relay's next tick).
 
+An operation runs inside `with RunContext.open(session, run_id) as ctx:`; the block's end
+writes what it changed (`flush`, also called before a query that must see those changes).
+Nothing is written behind the caller's back: the context registers no session hooks, and an
+operation that raises writes nothing (its transaction is rolled back).
+
 It also keeps what a batch of decisions reads again and again — the spare pool, the groups a
 slot may borrow, the slots waiting on a replacement — loaded once per transaction and updated
 as the batch changes them. Because the run's row is locked, nothing else changes them
 meanwhile; entries are still checked against the rows when used, so a stale entry is skipped
 rather than trusted.
-
-The run and its steps stay ORM objects (a handful per transaction, written by the session's
-flush); `flush` writes the rows, then the session's objects. A context's rows are written at
-the latest when its transaction commits (`_before_commit`).
 """
 
 from __future__ import annotations
@@ -26,16 +27,25 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import event, insert, select
+from sqlalchemy import insert, select
 from sqlalchemy.orm import Session
-from sqlalchemy.orm.util import identity_key
 
 from refill.models import sql
 from refill.models.clock import ledger_now
 from refill.models.clock import utcnow as utcnow  # re-exported: where its importers find it
 from refill.models.db import lock_run
 from refill.models.ids import IdBlocks
-from refill.models.rows import AttemptRow, GroupRow, OutboxRow, Read, RowStore, SlotRow, SpareRow
+from refill.models.rows import (
+    AttemptRow,
+    GroupRow,
+    OutboxRow,
+    Read,
+    RowStore,
+    RunRow,
+    SlotRow,
+    SpareRow,
+    StepRow,
+)
 from refill.models.samplers import GroupView, Sampler
 from refill.models.settings import LedgerSettings, settings_for
 from refill.models.sql import (
@@ -49,7 +59,6 @@ from refill.models.tables import (
     Attempt,
     AttemptState,
     Group,
-    Run,
     RunStatus,
     Slot,
     SlotStatus,
@@ -74,7 +83,7 @@ OPEN_CHUNK = 128
 # Enum members' .value is a property call; the hot loops compare against plain strings.
 _SLOT_OPEN = SlotStatus.OPEN.value
 _SLOT_COMMITTED = SlotStatus.COMMITTED.value
-_STEP_OPEN = StepStatus.OPEN.value
+_STEP_OPEN, _STEP_TRAINED = StepStatus.OPEN.value, StepStatus.TRAINED.value
 _LIVE = tuple(s.value for s in AttemptState.live())
 
 # Re-exported: the columns the ledger's modules read rows with (models/sql.py).
@@ -83,20 +92,18 @@ _attempts = Attempt.__table__
 _slots, _groups, _steps, _spares = Slot.__table__, Group.__table__, Step.__table__, SparePrompt.__table__
 
 
-def _before_commit(session: Session) -> None:
-    contexts, session.info["refill_contexts"] = session.info.get("refill_contexts", []), []
-    for ctx in contexts:
-        ctx.flush()
-
-
 def _slot_index(slot: SlotRow) -> int:
     return slot.idx
+
+
+def _step_number(step: StepRow) -> int:
+    return step.step
 
 
 @dataclass
 class RunContext:
     session: Session
-    run: Run
+    run: RunRow
     settings: LedgerSettings
     sampler: Sampler
     now: datetime
@@ -131,45 +138,46 @@ class RunContext:
     #: a prefix (in placement order) of the open slots of open steps, and whether more exist
     _open_slots: list[SlotRow] | None = None
     _open_slots_truncated: bool = False
-    #: Step rows by number, as step_open found them
-    _steps: dict[int, Step] = field(default_factory=dict)
-    #: the run's steps not yet trained, in step order (see `unfinished_steps`)
-    _unfinished: list[Step] | None = None
-    #: strong references to the steps loaded in bulk: the session's identity map holds
-    #: objects weakly, and a preloaded row that is dropped would be fetched again one by one.
-    pinned: list[object] = field(default_factory=list)
+    #: whether `rows.steps` holds every step of the run not trained yet (`unfinished_steps`)
+    _unfinished_read: bool = False
     #: ids for the attempts, outbox rows and spare prompts this transaction creates (set by
     #: `open`)
     ids: IdBlocks = field(default=None)  # type: ignore[assignment]
 
-    def pin(self, rows: list) -> list:  # type: ignore[type-arg]
-        self.pinned.extend(rows)
-        return rows
-
     @classmethod
     def open(cls, session: Session, run_id: int, now: datetime | None = None) -> RunContext:
+        """Lock run `run_id` and read its row; use as `with RunContext.open(...) as ctx:`,
+        whose end writes the operation's changes. Raises `UnknownRun` for no such run."""
         # The ledger code flushes where a query must see this transaction's changes and
-        # nowhere else: autoflush before every query would write each result's rows one at
-        # a time instead of once per batch.
+        # nowhere else: autoflush before every query would write the session's objects (a
+        # rejected result, a weight version) one at a time.
         session.autoflush = False
-        if "refill_contexts" not in session.info:
-            session.info["refill_contexts"] = []
-            event.listen(session, "before_commit", _before_commit)
-        run = lock_run(session, run_id)
+        rows = RowStore(session)
+        found = lock_run(session, run_id)
+        columns = RunRow.table.columns.keys()
+        (run,) = rows.adopt(RunRow, columns, [[found[name] for name in columns]])
         settings = settings_for(run)
         # The database's clock unless the caller brings its own (a test's, a simulation's).
         now = now or ledger_now(session)
-        ctx = cls(
-            session, run, settings, settings.sampler(), now, rows=RowStore(session), ids=IdBlocks.for_session(session)
-        )
-        session.info["refill_contexts"].append(ctx)
-        return ctx
+        return cls(session, run, settings, settings.sampler(), now, rows=rows, ids=IdBlocks.for_session(session))
+
+    def __enter__(self) -> RunContext:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: Any) -> None:
+        # An operation that raised decided nothing: its transaction is rolled back, and
+        # writing half its decisions first would only add a second error to the first.
+        if kind is None:
+            self.flush()
 
     def flush(self) -> None:
-        """Write this operation's changes so far: the rows (models/rows.py), then the run's
-        and the steps' ORM objects. Called before a query that must see them."""
+        """Write this operation's changes so far: its rows (models/rows.py), then what it
+        added to the session (the cold path's ORM objects: a rejected result, a weight version,
+        a step's metrics). Called before a query that must see them, and at the end of the
+        operation's `with` block."""
         self.rows.write()
-        self.session.flush()
+        if self.session.new or self.session.dirty:
+            self.session.flush()
 
     def new_attempt(self, values: dict[str, Any]) -> AttemptRow:
         return self.rows.new(AttemptRow, {**self.ids.ids("attempts"), **values})
@@ -246,10 +254,23 @@ class RunContext:
     def later(self, seconds: float) -> datetime:
         return self.now + timedelta(seconds=seconds)
 
-    def step(self, step: int) -> Step:
-        row = self.session.get(Step, (self.run.id, step))
+    def step(self, step: int) -> StepRow:
+        row = self.find_step(step)
         if row is None:
             raise LookupError(f"run {self.run.id} has no step {step}")
+        return row
+
+    def find_step(self, step: int, *, lock: bool = False) -> StepRow | None:
+        """Step `step` of the run, or None if it has none. With `lock`, its row is read locked
+        (and the columns this transaction did not change refreshed): a trainer renews its lease
+        on a step without the run's lock."""
+        row = self.rows.steps.get(step)
+        if row is None or lock:
+            statement = sql.steps(self.run.id, [step])
+            if lock:
+                statement = statement.with_for_update(key_share=True)
+            found = self.rows.load(StepRow, statement, refresh=lock)
+            row = found[0] if found else None
         return row
 
     def slot(self, step: int, idx: int) -> SlotRow:
@@ -271,50 +292,35 @@ class RunContext:
             row = found[0] if found else None
         return row
 
-    def unfinished_steps(self) -> list[Step]:
-        """The run's steps that are not trained yet, in step order, read once per transaction.
+    def unfinished_steps(self) -> list[StepRow]:
+        """The run's steps that are not trained yet, in step order: read once per transaction
+        (or with the batch's other reads, `read_ahead`), then kept by this transaction's own
+        changes, which are made on these same rows (a step it admits is added to them).
 
         A step changes status only in a transaction that holds the run's lock (admission,
         release, the trainer's claim and finish, the reaper all open a `RunContext`), so what
-        this transaction read stays true but for its own changes, which are made on these same
-        objects; a step it creates is added by `step_added`."""
-        if self._unfinished is None:
-            rows = self.session.scalars(
-                select(Step)
-                .where(Step.run_id == self.run.id, Step.status != StepStatus.TRAINED.value)
-                .order_by(Step.step)
-            ).all()
-            self._unfinished = self.pin(list(rows))
-            self._steps.update((row.step, row) for row in rows)
-        return self._unfinished
+        this transaction read stays true but for its own changes."""
+        if not self._unfinished_read:
+            self.rows.load(StepRow, sql.unfinished_steps(self.run.id))
+            self._unfinished_read = True
+        return sorted((row for row in self.rows.steps.values() if row.status != _STEP_TRAINED), key=_step_number)
 
-    def open_steps(self) -> list[Step]:
+    def _adopt_unfinished(self, rows: list[StepRow]) -> None:
+        self._unfinished_read = True  # the rows are in `rows.steps` already
+
+    def open_steps(self) -> list[StepRow]:
         """The run's open steps, in step order."""
         return [row for row in self.unfinished_steps() if row.status == _STEP_OPEN]
-
-    def step_added(self, row: Step) -> None:
-        """A step this transaction created (admission)."""
-        self.pinned.append(row)
-        self._steps[row.step] = row
-        if self._unfinished is not None:
-            self._unfinished.append(row)
 
     def step_open(self, step: int) -> bool:
         # Called for every candidate slot of every placement: the row is looked up once per
         # transaction and its (in-memory) status read each time.
-        row = self._steps.get(step)
+        row = self.rows.steps.get(step)
         if row is None:
-            # Unfinished steps are preloaded (and pinned) by the operations that need this; a
-            # step not in the session is trained or does not exist.
-            row = self.session.identity_map.get(identity_key(Step, (self.run.id, step)))
-            if row is None:
-                row = self.session.get(Step, (self.run.id, step))
-                if row is not None:
-                    self.pinned.append(row)
-            if row is None:
-                return False
-            self._steps[step] = row
-        return row.status == _STEP_OPEN
+            if self._unfinished_read:
+                return False  # every unfinished step is here: this one is trained, or none
+            row = self.find_step(step)
+        return row is not None and row.status == _STEP_OPEN
 
     @property
     def outbox_ids(self) -> list[int]:
@@ -542,7 +548,7 @@ class RunContext:
         """Run the caller's `reads`, and then the reads `then` makes of their rows, together
         with the first loads of the caches a batch of results will look up (the waiting slots;
         with `lendable` the lenders and the spare pool; with `open_slots` a prefix of open
-        slots and their live attempts), in two round trips (`RowStore.load_all`), before the
+        slots and their live attempts) and the run's unfinished steps, in two round trips (`RowStore.load_all`), before the
         batch changes anything; returns the rows of the caller's reads, then of `then`'s.
 
         Loaded one by one on first use, each cache would flush the batch's changes first:
@@ -553,6 +559,8 @@ class RunContext:
         scan of the run's live attempts for each slot when its statistics were stale."""
         self.flush()
         parts: list[tuple[list[Read], Callable[..., None]]] = []
+        if not self._unfinished_read:
+            parts.append(([Read(StepRow, sql.unfinished_steps(self.run.id))], self._adopt_unfinished))
         if waiting and self._waiting is None:
             parts.append(([Read(SlotRow, sql.open_slots(self.run.id, limit=self._waiting_chunk, waiting=True))], self._adopt_waiting))
         if lendable and self._lendable_parked is None:

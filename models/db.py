@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TypeVar
 
-from sqlalchemy import Engine, create_engine, event, func, select
+from sqlalchemy import Engine, RowMapping, create_engine, event, func, select
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
@@ -171,17 +171,19 @@ class Ledger:
         self.engine.dispose()
 
 
-def lock_run(session: Session, run_id: int) -> Run:
-    """Load a run's row and hold its lock until the transaction ends.
+def lock_run(session: Session, run_id: int) -> RowMapping:
+    """Read a run's row (its columns, as a mapping) and hold its lock until the transaction
+    ends.
 
     Every write that changes a run's scheduling state goes through here first, so decisions
     over its slots, spare pool and counters see a consistent snapshot and never interleave.
     """
+    runs = Run.__table__
     if session.get_bind().dialect.name != "postgresql":
-        run = session.execute(select(Run).where(Run.id == run_id).with_for_update()).scalar_one_or_none()
-        if run is None:
+        row = session.execute(select(runs).where(runs.c.id == run_id).with_for_update()).mappings().first()
+        if row is None:
             raise UnknownRun(run_id)
-        return run
+        return row
     # The database's clock comes with the row: every locked transaction decides on it
     # (models/clock.py), and reading it here saves that transaction a round trip.
     # FOR NO KEY UPDATE: it excludes the other holders of this lock as FOR UPDATE would, but
@@ -189,12 +191,12 @@ def lock_run(session: Session, run_id: int) -> Run:
     # row (a relay marking outbox rows sent, a worker's writes), which would otherwise queue
     # behind every batch and could close a deadlock with it.
     found = session.execute(
-        select(Run, func.now()).where(Run.id == run_id).with_for_update(of=Run, key_share=True)
-    ).first()
+        select(runs, func.now().label("refill_now")).where(runs.c.id == run_id).with_for_update(key_share=True)
+    ).mappings().first()
     if found is None:
         raise UnknownRun(run_id)
-    remember_ledger_now(session, found[1])
-    return found[0]
+    remember_ledger_now(session, found["refill_now"])
+    return found
 
 
 class UnknownRun(LookupError):

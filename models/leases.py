@@ -23,9 +23,10 @@ from sqlalchemy.orm import Session
 from refill.models.barrier import queue_training
 from refill.models.clock import ledger_now, ledger_now_in, ledger_up_seconds
 from refill.models.context import ATTEMPT_COLUMNS, RunContext
-from refill.models.rows import AttemptRow
+from refill.models.rows import AttemptRow, StepRow
 from refill.models.settings import settings_for
 from refill.models.slots import RunFailed, infra_failure, lost_in_queue
+from refill.models.sql import STEP_COLUMNS
 from refill.models.tables import (
     Attempt,
     AttemptState,
@@ -36,6 +37,8 @@ from refill.models.tables import (
     Step,
     StepStatus,
 )
+
+_steps = Step.__table__
 
 
 @dataclass(frozen=True)
@@ -214,7 +217,14 @@ def expire_leases(
     last `reachable_for` seconds (the controller's own view: an outage without a restart).
     With an explicit `now` (a test's or a simulation's clock) only `reachable_for` applies.
     """
-    ctx = RunContext.open(session, run_id, now)
+    with RunContext.open(session, run_id, now) as ctx:
+        reaped = _reap(ctx, session, now, reachable_for)
+    reaped.outbox_ids = ctx.outbox_ids
+    return reaped
+
+
+def _reap(ctx: RunContext, session: Session, now: datetime | None, reachable_for: float | None) -> Reaped:
+    run_id = ctx.run.id
     reaped = Reaped(outbox_ids=[])
     if not ctx.running:
         return reaped
@@ -277,16 +287,16 @@ def expire_leases(
         reaped.failed = str(failure)
     # Locked as read, for the reason above: extend_training_lease takes no run lock.
     stuck = (
-        list(
-            session.scalars(
-                select(Step)
-                .where(
-                    Step.run_id == run_id,
-                    Step.status == StepStatus.TRAINING.value,
-                    Step.trainer_lease_until < ctx.now,
-                )
-                .with_for_update(key_share=True)
+        ctx.rows.load(
+            StepRow,
+            select(*STEP_COLUMNS)
+            .where(
+                _steps.c.run_id == run_id,
+                _steps.c.status == StepStatus.TRAINING.value,
+                _steps.c.trainer_lease_until < ctx.now,
             )
+            .with_for_update(key_share=True),
+            refresh=True,
         )
         if judged(ctx.settings.trainer_lease_seconds)
         else []
@@ -298,8 +308,6 @@ def expire_leases(
             queue_training(ctx, step.step)
         reaped.train_steps += 1
     reaped.train_steps += _requeue_lost_training(ctx)
-    ctx.flush()
-    reaped.outbox_ids = ctx.outbox_ids
     return reaped
 
 
@@ -307,7 +315,7 @@ def _requeue_lost_training(ctx: RunContext) -> int:
     """A released step that is next to train but whose train_step message went out long ago
     and was never claimed lost that message (a flushed or restarted broker): send another."""
     step_no = ctx.run.weight_version
-    step = ctx.session.get(Step, (ctx.run.id, step_no))
+    step = ctx.find_step(step_no)
     if step is None or step.status != StepStatus.RELEASED.value:
         return 0
     last = ctx.session.execute(

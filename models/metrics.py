@@ -14,6 +14,7 @@ from sqlalchemy import func, select
 from refill.models import decisions, skipping
 from refill.models.context import RunContext
 from refill.models.decisions import GroupKind
+from refill.models.rows import StepRow
 from refill.models.tables import (
     Attempt,
     AttemptReason,
@@ -21,7 +22,6 @@ from refill.models.tables import (
     Group,
     PromptDraw,
     Slot,
-    Step,
     StepMetrics,
 )
 
@@ -39,7 +39,7 @@ def zero_variance_from_counters(ctx: RunContext) -> tuple[int, int]:
     return int(ctx.run.zero_variance_groups or 0), int(ctx.run.scored_groups or 0)
 
 
-def record_release_metrics(ctx: RunContext, step: Step) -> StepMetrics:
+def record_release_metrics(ctx: RunContext, step: StepRow) -> StepMetrics:
     session, run_id, s = ctx.session, ctx.run.id, step.step
     ctx.flush()
     finished = (Attempt.run_id == run_id) & (Attempt.step == s) & Attempt.zero_variance.is_not(None)

@@ -72,7 +72,7 @@ def top_up(ctx: RunContext) -> int:
     settings = ctx.settings
     if not settings.over_dispatch or not settings.use_dynamic_sampling or not ctx.running:
         return 0
-    newest = ctx.session.get(Step, (ctx.run.id, ctx.run.next_step - 1)) if ctx.run.next_step else None
+    newest = ctx.find_step(ctx.run.next_step - 1) if ctx.run.next_step else None
     p = zero_variance_estimate(ctx).p
     ctx.flush()  # the statements below see this transaction's rows
     reaim_stranded_extras(ctx)

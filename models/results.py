@@ -108,18 +108,18 @@ def record_results(
             for position, result in items:
                 outcomes[position] = _reject(session, result, RejectReason.UNKNOWN, f"there is no run {run_id}", at)
             continue
-        ctx.size_caches(len(items))
-        attempts = _read_batch(ctx, [r.attempt_id for _, r in items])
-        # About one new attempt (and its outbox row) per result; more come in growing blocks.
-        ctx.ids.expect({"attempts": len(items), "outbox": len(items)})
-        for position, result in items:
-            attempt = attempts.get(result.attempt_id)
-            outcomes[position] = _record_one(ctx, attempt, result)
-            name = _discarded_payload(ctx, attempt, result)
-            if name is not None:
-                discarded.append((run_id, name))
-        top_up(ctx)
-        ctx.flush()
+        with ctx:
+            ctx.size_caches(len(items))
+            attempts = _read_batch(ctx, [r.attempt_id for _, r in items])
+            # About one new attempt (and its outbox row) per result; more come in growing blocks.
+            ctx.ids.expect({"attempts": len(items), "outbox": len(items)})
+            for position, result in items:
+                attempt = attempts.get(result.attempt_id)
+                outcomes[position] = _record_one(ctx, attempt, result)
+                name = _discarded_payload(ctx, attempt, result)
+                if name is not None:
+                    discarded.append((run_id, name))
+            top_up(ctx)
         outbox_ids.extend(ctx.outbox_ids)
     return BatchResult([o for o in outcomes if o is not None], outbox_ids, discarded)
 
@@ -142,11 +142,10 @@ def _discarded_payload(ctx: RunContext, attempt: AttemptRow | None, result: Resu
 
 def _read_batch(ctx: RunContext, attempt_ids: list[int]) -> dict[int, AttemptRow]:
     """Read what the batch's decisions will look up, before they change anything: its attempts,
-    the slots they serve and the run's unfinished steps, and the first loads of the context's
-    caches (`RunContext.read_ahead`: all but the steps in two round trips)."""
+    the slots they serve, and the first loads of the context's caches and the run's unfinished
+    steps (`RunContext.read_ahead`: two round trips)."""
     run_id = ctx.run.id
     attempts_table, slots_table = Attempt.__table__, Slot.__table__
-    ctx.unfinished_steps()
 
     def their_slots(found: list[list[AttemptRow]]) -> list[Read]:
         keys = {(a.step, a.slot_idx) for a in found[0] if a.slot_idx is not None}

@@ -1,12 +1,12 @@
 """The rows one ledger operation works on: plain objects, read and written with Core.
 
-A `RunContext` (models/context.py) decides over the slots, attempts, groups and spare prompts
-of one run while it holds the run's lock. It keeps them here as `Row`s, plain Python objects
-with one attribute per column (the ORM's names: `slot.filtered += 1` reads the same), and
-writes what changed when the operation flushes:
+A `RunContext` (models/context.py) decides over the run's row, its steps, slots, attempts,
+groups and spare prompts while it holds the run's lock. It keeps them here as `Row`s, plain
+Python objects with one attribute per column (the ORM's names: `slot.filtered += 1` reads the
+same), and writes what changed when the operation flushes:
 
-1. **new rows** as one multi-row `INSERT` per table (attempts, then groups and outbox rows,
-   which reference them), with their ids drawn up front (`models/ids.py`);
+1. **new rows** as one multi-row `INSERT` per table (a step, attempts, then groups and outbox
+   rows, which reference them), with their ids drawn up front (`models/ids.py`);
 2. **changed rows** as one `UPDATE` per table and set of changed columns: on PostgreSQL
    `UPDATE t SET c = v.c FROM unnest(:ids, :c...) AS v(...)` with one array parameter per
    column, elsewhere an executemany. A row's changes are found by comparing it with the
@@ -49,7 +49,7 @@ from sqlalchemy.orm import Session
 from sqlalchemy.sql import Select
 
 from refill.models.column_types import UTCDateTime
-from refill.models.tables import Attempt, Group, Outbox, Slot, SparePrompt
+from refill.models.tables import Attempt, Group, Outbox, Run, Slot, SparePrompt, Step
 
 _MISSING = object()
 
@@ -65,6 +65,19 @@ class Row:
     def __repr__(self) -> str:
         shown = ", ".join(f"{k}={v!r}" for k, v in self.__dict__.items() if k in _REPR.get(type(self), ()))
         return f"{type(self).__name__}({shown})"
+
+
+class RunRow(Row):
+    table = Run.__table__
+
+
+class StepRow(Row):
+    table = Step.__table__
+
+    @property
+    def target(self) -> int:
+        """The groups the step trains on: its slots less those shrunk away."""
+        return self.num_slots - self.shrunk
 
 
 class SlotRow(Row):
@@ -88,6 +101,8 @@ class OutboxRow(Row):
 
 
 _REPR: dict[type, tuple[str, ...]] = {
+    RunRow: ("id", "name", "status", "next_step", "weight_version"),
+    StepRow: ("step", "status", "num_slots", "committed", "shrunk"),
     SlotRow: ("step", "idx", "status", "group_attempt_id", "needs_replacement"),
     AttemptRow: ("id", "step", "slot_idx", "state", "reason"),
     GroupRow: ("attempt_id", "weight_version", "parked"),
@@ -95,10 +110,12 @@ _REPR: dict[type, tuple[str, ...]] = {
     OutboxRow: ("id", "kind", "attempt_id", "step"),
 }
 
-#: Tables in the order their new rows are inserted (groups and outbox rows reference attempts)
-#: and their changed rows are written (slots first, as every transaction does: one lock order).
-_INSERT_ORDER: tuple[type[Row], ...] = (AttemptRow, GroupRow, OutboxRow)
-_UPDATE_ORDER: tuple[type[Row], ...] = (SlotRow, AttemptRow, GroupRow, SpareRow)
+#: Tables in the order their new rows are inserted (a step before what references it; groups
+#: and outbox rows reference attempts) and their changed rows are written (the run, whose row
+#: the transaction locked first, then its steps and slots: every transaction takes them in
+#: that order, one lock order).
+_INSERT_ORDER: tuple[type[Row], ...] = (StepRow, AttemptRow, GroupRow, OutboxRow)
+_UPDATE_ORDER: tuple[type[Row], ...] = (RunRow, StepRow, SlotRow, AttemptRow, GroupRow, SpareRow)
 
 #: Columns a table's UPDATE may write for a row although they did not change in it: a batch's
 #: rows change in a dozen different ways, and one statement per way costs a round trip each;
@@ -124,6 +141,8 @@ _UNIFORM_COLUMNS: dict[type[Row], frozenset[str]] = {
 
 
 def _key_of(cls: type[Row]):  # type: ignore[no-untyped-def]
+    if cls is StepRow:
+        return lambda values: values["step"]
     if cls is SlotRow:
         return lambda values: (values["step"], values["idx"])
     if cls is GroupRow:
@@ -131,7 +150,7 @@ def _key_of(cls: type[Row]):  # type: ignore[no-untyped-def]
     return lambda values: values["id"]
 
 
-_KEYS = {cls: _key_of(cls) for cls in (SlotRow, AttemptRow, GroupRow, SpareRow, OutboxRow)}
+_KEYS = {cls: _key_of(cls) for cls in (RunRow, StepRow, SlotRow, AttemptRow, GroupRow, SpareRow, OutboxRow)}
 
 
 @dataclass(frozen=True)
@@ -179,11 +198,16 @@ class RowStore:
     def __init__(self, session: Session) -> None:
         self.session = session
         self.postgres = session.get_bind().dialect.name == "postgresql"
+        self.runs: dict[int, RunRow] = {}
+        #: the run's steps by number (a store holds one run's rows)
+        self.steps: dict[int, StepRow] = {}
         self.slots: dict[tuple[int, int], SlotRow] = {}
         self.attempts: dict[int, AttemptRow] = {}
         self.groups: dict[int, GroupRow] = {}
         self.spares: dict[int, SpareRow] = {}
         self._maps: dict[type[Row], dict[Any, Any]] = {
+            RunRow: self.runs,
+            StepRow: self.steps,
             SlotRow: self.slots,
             AttemptRow: self.attempts,
             GroupRow: self.groups,
@@ -203,9 +227,10 @@ class RowStore:
         another transaction may have written them since the row was first read."""
         result = self.session.execute(statement)
         # All at once: iterating a result fetches it from the cursor a row at a time.
-        return self._adopt(cls, tuple(result.keys()), result.all(), refresh=refresh)
+        return self.adopt(cls, tuple(result.keys()), result.all(), refresh=refresh)
 
-    def _adopt(self, cls: type[Row], names: Sequence[str], value_rows: Iterable[Sequence[Any]], *, refresh: bool = False) -> list[Any]:
+    def adopt(self, cls: type[Row], names: Sequence[str], value_rows: Iterable[Sequence[Any]], *, refresh: bool = False) -> list[Any]:
+        """Rows of `cls` from values read elsewhere (`names` their columns), as `load` makes them."""
         rows = []
         found = self._maps[cls]
         key_of = _KEYS[cls]
@@ -273,10 +298,10 @@ class RowStore:
             if read.cls is None:
                 out.append([tuple(values) for values in value_rows])
             elif read.extra:
-                adopted = self._adopt(read.cls, names[:width], (values[:width] for values in value_rows))
+                adopted = self.adopt(read.cls, names[:width], (values[:width] for values in value_rows))
                 out.append([(row, tuple(values[width:])) for row, values in zip(adopted, value_rows, strict=True)])
             else:
-                out.append(self._adopt(read.cls, names, value_rows))
+                out.append(self.adopt(read.cls, names, value_rows))
         return out
 
     def _refresh(self, row: Row, read: dict[str, Any]) -> None:
@@ -298,7 +323,7 @@ class RowStore:
         if names[:width] != [name for name in names if name in cls.table.c]:
             raise ValueError("select the table's columns first, then the others")
         value_rows = result.all()
-        adopted = self._adopt(cls, names[:width], (values[:width] for values in value_rows))
+        adopted = self.adopt(cls, names[:width], (values[:width] for values in value_rows))
         return [(row, tuple(values[width:])) for row, values in zip(adopted, value_rows, strict=True)]
 
     def get(self, cls: type[Row], key: Any) -> Any:

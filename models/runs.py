@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 
 from refill.models.barrier import queue_training
 from refill.models.context import SLOT_COLUMNS, RunContext, utcnow
-from refill.models.rows import SlotRow
+from refill.models.rows import RunRow, SlotRow
 from refill.models.settings import LedgerSettings
 from refill.models.slots import LIVE, cancel_live_attempts, dispatch
 from refill.models.tables import (
@@ -112,7 +112,7 @@ def start_run(
     takeover_after_seconds: float = 30.0,
     previous_controller: str | None = None,
     now: datetime | None = None,
-) -> Run:
+) -> RunRow:
     """Make `controller_id` the run's controller and the run `running`.
 
     Only one controller drives a run: another one that heartbeated within
@@ -120,55 +120,54 @@ def start_run(
     detached controller's next slice). A `running` run whose controller went silent (it
     crashed) and a `stopped` run are resumed; slots left without a live attempt get one.
     """
-    ctx = RunContext.open(session, run_id, now)
-    run = ctx.run
-    if (
-        previous_controller is not None
-        and run.status == RunStatus.RUNNING.value
-        and run.controller_id == previous_controller
-    ):
+    with RunContext.open(session, run_id, now) as ctx:
+        run = ctx.run
+        if (
+            previous_controller is not None
+            and run.status == RunStatus.RUNNING.value
+            and run.controller_id == previous_controller
+        ):
+            run.controller_id = controller_id[:200]
+            run.controller_seen_at = ctx.now
+            return run
+        if run.status in (RunStatus.COMPLETED.value,):
+            raise RunStateError(f"run {run_id} is completed ({run.end_reason}); start a new run instead")
+        if run.status == RunStatus.FAILED.value and run.end_reason != "fleet_failed":
+            raise RunStateError(
+                f"run {run_id} failed and cannot resume: {(run.error or '').splitlines()[0]} — "
+                "fix the config and start a new run"
+            )
+        if session.get(WeightVersion, (run_id, 0)) is None:
+            raise RunStateError(f"run {run_id} has no initial weights (version 0) yet")
+        if (
+            run.controller_id not in (None, controller_id)
+            and run.status == RunStatus.RUNNING.value
+            and run.controller_seen_at is not None
+            and run.controller_seen_at > ctx.now - timedelta(seconds=takeover_after_seconds)
+        ):
+            raise RunStateError(
+                f"run {run_id} is driven by controller {run.controller_id} (seen "
+                f"{(ctx.now - run.controller_seen_at).total_seconds():.0f}s ago); stop it first or "
+                f"wait {takeover_after_seconds:.0f}s after it died"
+            )
+        resumed = run.status != RunStatus.CREATED.value
+        run.status = RunStatus.RUNNING.value
+        run.stop_requested = False
+        run.error = None
+        run.end_reason = None
+        run.finished_at = None
+        run.consecutive_dropped = 0
         run.controller_id = controller_id[:200]
         run.controller_seen_at = ctx.now
-        return run
-    if run.status in (RunStatus.COMPLETED.value,):
-        raise RunStateError(f"run {run_id} is completed ({run.end_reason}); start a new run instead")
-    if run.status == RunStatus.FAILED.value and run.end_reason != "fleet_failed":
-        raise RunStateError(
-            f"run {run_id} failed and cannot resume: {(run.error or '').splitlines()[0]} — "
-            "fix the config and start a new run"
-        )
-    if session.get(WeightVersion, (run_id, 0)) is None:
-        raise RunStateError(f"run {run_id} has no initial weights (version 0) yet")
-    if (
-        run.controller_id not in (None, controller_id)
-        and run.status == RunStatus.RUNNING.value
-        and run.controller_seen_at is not None
-        and run.controller_seen_at > ctx.now - timedelta(seconds=takeover_after_seconds)
-    ):
-        raise RunStateError(
-            f"run {run_id} is driven by controller {run.controller_id} (seen "
-            f"{(ctx.now - run.controller_seen_at).total_seconds():.0f}s ago); stop it first or "
-            f"wait {takeover_after_seconds:.0f}s after it died"
-        )
-    resumed = run.status != RunStatus.CREATED.value
-    run.status = RunStatus.RUNNING.value
-    run.stop_requested = False
-    run.error = None
-    run.end_reason = None
-    run.finished_at = None
-    run.consecutive_dropped = 0
-    run.controller_id = controller_id[:200]
-    run.controller_seen_at = ctx.now
-    run.started_at = run.started_at or ctx.now
-    if resumed:
-        repair_open_slots(ctx)
-        head = session.get(Step, (run_id, run.weight_version))
-        if head is not None and head.status == StepStatus.RELEASED.value:
-            # Its train_step message may have been drained by the relay or refused by a
-            # trainer while the run was not running; nothing else sends it again. A repeat
-            # is harmless: a claim of a claimed or trained step is a no-op.
-            queue_training(ctx, head.step)
-    ctx.flush()
+        run.started_at = run.started_at or ctx.now
+        if resumed:
+            repair_open_slots(ctx)
+            head = ctx.find_step(run.weight_version)
+            if head is not None and head.status == StepStatus.RELEASED.value:
+                # Its train_step message may have been drained by the relay or refused by a
+                # trainer while the run was not running; nothing else sends it again. A repeat
+                # is harmless: a claim of a claimed or trained step is a no-op.
+                queue_training(ctx, head.step)
     return run
 
 
@@ -211,13 +210,13 @@ def repair_open_slots(ctx: RunContext) -> int:
     return len(orphans)
 
 
-def controller_heartbeat(session: Session, run_id: int, controller_id: str, now: datetime | None = None) -> Run:
+def controller_heartbeat(session: Session, run_id: int, controller_id: str, now: datetime | None = None) -> RunRow:
     """Refresh the controller's claim; raises if another controller took the run over."""
-    ctx = RunContext.open(session, run_id, now)
-    if ctx.run.controller_id != controller_id[:200]:
-        raise RunStateError(f"run {run_id} is now driven by controller {ctx.run.controller_id}")
-    ctx.run.controller_seen_at = ctx.now
-    return ctx.run
+    with RunContext.open(session, run_id, now) as ctx:
+        if ctx.run.controller_id != controller_id[:200]:
+            raise RunStateError(f"run {run_id} is now driven by controller {ctx.run.controller_id}")
+        ctx.run.controller_seen_at = ctx.now
+        return ctx.run
 
 
 def request_stop(session: Session, run_id: int) -> Run:
@@ -230,21 +229,21 @@ def request_stop(session: Session, run_id: int) -> Run:
 
 def stop_run(session: Session, run_id: int, now: datetime | None = None) -> int:
     """Stop a run whose stop was requested: cancel its live attempts. Resumable."""
-    ctx = RunContext.open(session, run_id, now)
-    if not ctx.running:
-        return 0
-    ctx.run.status = RunStatus.STOPPED.value
-    ctx.run.end_reason = "stopped"
-    ctx.run.finished_at = ctx.now
-    ctx.run.controller_id = None
-    return cancel_live_attempts(ctx, "run stopped")
+    with RunContext.open(session, run_id, now) as ctx:
+        if not ctx.running:
+            return 0
+        ctx.run.status = RunStatus.STOPPED.value
+        ctx.run.end_reason = "stopped"
+        ctx.run.finished_at = ctx.now
+        ctx.run.controller_id = None
+        return cancel_live_attempts(ctx, "run stopped")
 
 
 def check_run(session: Session, run_id: int, now: datetime | None = None) -> str:
     """The controller's safety net: complete the run if nothing is left to do."""
-    ctx = RunContext.open(session, run_id, now)
-    check_completion(ctx)
-    return ctx.run.status
+    with RunContext.open(session, run_id, now) as ctx:
+        check_completion(ctx)
+        return ctx.run.status
 
 
 def check_completion(ctx: RunContext) -> bool:

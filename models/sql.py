@@ -26,6 +26,7 @@ from refill.models.tables import (
 
 #: The columns read into rows. A group's payload columns are left out: a group is moved and
 #: lent by its other columns, and only the trainer's claim reads its payload.
+STEP_COLUMNS = tuple(Step.__table__.c)
 SLOT_COLUMNS = tuple(Slot.__table__.c)
 ATTEMPT_COLUMNS = tuple(Attempt.__table__.c)
 GROUP_COLUMNS = tuple(c for c in Group.__table__.c if c.key not in ("rollout", "completion_texts"))
@@ -36,7 +37,7 @@ _attempts, _slots, _groups = Attempt.__table__, Slot.__table__, Group.__table__
 _steps, _spares = Step.__table__, SparePrompt.__table__
 # Enum members' .value is a property call; plain strings in the statements.
 _SLOT_OPEN, _SLOT_COMMITTED = SlotStatus.OPEN.value, SlotStatus.COMMITTED.value
-_STEP_OPEN = StepStatus.OPEN.value
+_STEP_OPEN, _STEP_TRAINED = StepStatus.OPEN.value, StepStatus.TRAINED.value
 _LIVE = tuple(s.value for s in AttemptState.live())
 
 
@@ -65,6 +66,18 @@ def literal(value):  # type: ignore[no-untyped-def]
 
 
 # --- the reads ---------------------------------------------------------------------------
+
+
+def unfinished_steps(run_id: int) -> Select[Any]:
+    """The run's steps not trained yet, in step order: through the partial index of those
+    (`ix_steps_unfinished`, whose predicate names 'trained'), not the primary key, which walks
+    every step the run ever trained."""
+    return select(*STEP_COLUMNS).where(_steps.c.run_id == run_id, _steps.c.status != literal(_STEP_TRAINED)).order_by(_steps.c.step)
+
+
+def steps(run_id: int, numbers: list[int]) -> Select[Any]:
+    """The steps numbered `numbers`."""
+    return select(*STEP_COLUMNS).where(_steps.c.run_id == run_id, literal_in(_steps.c.step, numbers))
 
 
 def open_slots(run_id: int, *, limit: int, waiting: bool = False) -> Select[Any]:

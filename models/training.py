@@ -99,93 +99,93 @@ def claim_training(
 ) -> TrainBatch | None:
     """Claim `step` for this trainer; None when it is not (or no longer) this trainer's to do:
     already trained, claimed by a live trainer, or waiting for its predecessor."""
-    ctx = RunContext.open(session, run_id, now)
-    if not ctx.running:
-        return None
-    row = session.get(Step, (run_id, step))
-    if row is None or row.status not in (StepStatus.RELEASED.value, StepStatus.TRAINING.value):
-        return None
-    if (
-        row.status == StepStatus.TRAINING.value
-        and row.trainer_id not in (None, trainer_id)
-        and row.trainer_lease_until is not None
-        and row.trainer_lease_until > ctx.now
-    ):
-        return None
-    if ctx.run.weight_version != step:
-        return None
-    if row.train_claims >= ctx.settings.max_train_attempts:
-        # Claimed that often and never finished: its trainers keep dying on it.
-        try:
-            fail_run(
-                ctx,
-                f"step {step} was claimed by a trainer {row.train_claims} times without finishing "
-                f"(infra.max_train_attempts={ctx.settings.max_train_attempts}): trainers crash or "
-                "lose their lease on it. See the trainer workers' logs.",
-                "trainer_failed",
-            )
-        except RunFailed:
+    with RunContext.open(session, run_id, now) as ctx:
+        if not ctx.running:
             return None
-    row.status = StepStatus.TRAINING.value
-    row.trainer_id = trainer_id[:200]
-    row.trainer_lease_until = ctx.now + timedelta(seconds=ctx.settings.trainer_lease_seconds)
-    row.train_claims += 1
-    if row.train_started_at is None:
-        row.train_started_at = ctx.now
-        metrics = session.get(StepMetrics, (run_id, step))
-        previous = session.get(Step, (run_id, step - 1)) if step > 0 else None
-        if metrics is not None:
-            # Time the trainer stood idle waiting for this step (0 when it was ready first).
-            since = previous.trained_at if previous is not None else ctx.run.started_at
-            idle = seconds_between(since, row.released_at)
-            metrics.trainer_idle_seconds = max(0.0, idle) if idle is not None else None
-    # Columns, not Group objects: the step's groups are read once, under the run's lock, and
-    # the session need not track thousands of large rows it never changes.
-    rows = session.execute(
-        select(
-            Group.attempt_id,
-            Group.rollout,
-            Group.completion_texts,
-            Group.rewards,
-            Group.weight_version,
-            Group.payload_ref,
-            Group.payload_bytes,
-            Group.payload_checksum,
-            Group.num_tokens,
-        )
-        .join(Slot, Slot.group_attempt_id == Group.attempt_id)
-        .where(Slot.run_id == run_id, Slot.step == step, Slot.status == SlotStatus.COMMITTED.value)
-        .order_by(Slot.idx)
-    )
-    groups: list[TrainGroup | _Stored] = []
-    for group in rows:
-        if decisions.staleness(step, group.weight_version) > ctx.settings.max_lookahead_versions:
-            raise StalenessViolation(
-                f"group {group.attempt_id} was generated with weights v{group.weight_version}, "
-                f"staler than max_lookahead_versions={ctx.settings.max_lookahead_versions} for "
-                f"step {step}; refusing to train it"
+        row = ctx.find_step(step)
+        if row is None or row.status not in (StepStatus.RELEASED.value, StepStatus.TRAINING.value):
+            return None
+        if (
+            row.status == StepStatus.TRAINING.value
+            and row.trainer_id not in (None, trainer_id)
+            and row.trainer_lease_until is not None
+            and row.trainer_lease_until > ctx.now
+        ):
+            return None
+        if ctx.run.weight_version != step:
+            return None
+        if row.train_claims >= ctx.settings.max_train_attempts:
+            # Claimed that often and never finished: its trainers keep dying on it.
+            try:
+                fail_run(
+                    ctx,
+                    f"step {step} was claimed by a trainer {row.train_claims} times without finishing "
+                    f"(infra.max_train_attempts={ctx.settings.max_train_attempts}): trainers crash or "
+                    "lose their lease on it. See the trainer workers' logs.",
+                    "trainer_failed",
+                )
+            except RunFailed:
+                return None
+        row.status = StepStatus.TRAINING.value
+        row.trainer_id = trainer_id[:200]
+        row.trainer_lease_until = ctx.now + timedelta(seconds=ctx.settings.trainer_lease_seconds)
+        row.train_claims += 1
+        if row.train_started_at is None:
+            row.train_started_at = ctx.now
+            metrics = session.get(StepMetrics, (run_id, step))
+            previous = ctx.find_step(step - 1) if step > 0 else None
+            if metrics is not None:
+                # Time the trainer stood idle waiting for this step (0 when it was ready first).
+                since = previous.trained_at if previous is not None else ctx.run.started_at
+                idle = seconds_between(since, row.released_at)
+                metrics.trainer_idle_seconds = max(0.0, idle) if idle is not None else None
+        # Columns, not Group objects: the step's groups are read once, under the run's lock, and
+        # the session need not track thousands of large rows it never changes.
+        rows = session.execute(
+            select(
+                Group.attempt_id,
+                Group.rollout,
+                Group.completion_texts,
+                Group.rewards,
+                Group.weight_version,
+                Group.payload_ref,
+                Group.payload_bytes,
+                Group.payload_checksum,
+                Group.num_tokens,
             )
-        if group.payload_ref is not None:
-            ref = PayloadRef(group.payload_ref, group.payload_bytes, group.payload_checksum)
-            stored = StoredGroup(group.attempt_id, ref, len(group.rewards), group.num_tokens)
-            groups.append(_Stored(stored, list(group.rewards), group.weight_version))
-            continue
-        try:
-            prompt_token_ids, completions = rollout_codec.decode(group.rollout, group.completion_texts)
-        except rollout_codec.RolloutFormatError as error:
-            raise rollout_codec.RolloutFormatError(
-                f"run {run_id} step {step}: the stored payload of group {group.attempt_id} does not decode ({error})"
-            ) from error
-        groups.append(
-            TrainGroup(
-                attempt_id=group.attempt_id,
-                prompt_token_ids=prompt_token_ids,
-                completions=completions,
-                rewards=list(group.rewards),
-                weight_version=group.weight_version,
-            )
+            .join(Slot, Slot.group_attempt_id == Group.attempt_id)
+            .where(Slot.run_id == run_id, Slot.step == step, Slot.status == SlotStatus.COMMITTED.value)
+            .order_by(Slot.idx)
         )
-    return TrainBatch(run_id, step, ctx.run.weight_version, groups, ctx.run.config, ctx.run.run_dir)
+        groups: list[TrainGroup | _Stored] = []
+        for group in rows:
+            if decisions.staleness(step, group.weight_version) > ctx.settings.max_lookahead_versions:
+                raise StalenessViolation(
+                    f"group {group.attempt_id} was generated with weights v{group.weight_version}, "
+                    f"staler than max_lookahead_versions={ctx.settings.max_lookahead_versions} for "
+                    f"step {step}; refusing to train it"
+                )
+            if group.payload_ref is not None:
+                ref = PayloadRef(group.payload_ref, group.payload_bytes, group.payload_checksum)
+                stored = StoredGroup(group.attempt_id, ref, len(group.rewards), group.num_tokens)
+                groups.append(_Stored(stored, list(group.rewards), group.weight_version))
+                continue
+            try:
+                prompt_token_ids, completions = rollout_codec.decode(group.rollout, group.completion_texts)
+            except rollout_codec.RolloutFormatError as error:
+                raise rollout_codec.RolloutFormatError(
+                    f"run {run_id} step {step}: the stored payload of group {group.attempt_id} does not decode ({error})"
+                ) from error
+            groups.append(
+                TrainGroup(
+                    attempt_id=group.attempt_id,
+                    prompt_token_ids=prompt_token_ids,
+                    completions=completions,
+                    rewards=list(group.rewards),
+                    weight_version=group.weight_version,
+                )
+            )
+        return TrainBatch(run_id, step, ctx.run.weight_version, groups, ctx.run.config, ctx.run.run_dir)
 
 
 def training_failed(
@@ -193,25 +193,24 @@ def training_failed(
 ) -> list[int]:
     """A trainer's update raised: give the step back (sent again after a short back-off), or
     fail the run with the error once it has had `infra.max_train_attempts` tries."""
-    ctx = RunContext.open(session, run_id, now)
-    row = session.get(Step, (run_id, step))
-    if row is None or row.status != StepStatus.TRAINING.value or row.trainer_id != trainer_id[:200]:
-        return []
-    row.status = StepStatus.RELEASED.value
-    row.trainer_id = None
-    row.trainer_lease_until = None
-    if row.train_claims >= ctx.settings.max_train_attempts:
-        try:
-            fail_run(
-                ctx,
-                f"training step {step} failed {row.train_claims} times "
-                f"(infra.max_train_attempts={ctx.settings.max_train_attempts}); last error: {error}",
-                "trainer_failed",
-            )
-        except RunFailed:
+    with RunContext.open(session, run_id, now) as ctx:
+        row = ctx.find_step(step)
+        if row is None or row.status != StepStatus.TRAINING.value or row.trainer_id != trainer_id[:200]:
             return []
-    queue_training(ctx, step, delay_seconds=min(60.0, 5.0 * row.train_claims))
-    ctx.flush()
+        row.status = StepStatus.RELEASED.value
+        row.trainer_id = None
+        row.trainer_lease_until = None
+        if row.train_claims >= ctx.settings.max_train_attempts:
+            try:
+                fail_run(
+                    ctx,
+                    f"training step {step} failed {row.train_claims} times "
+                    f"(infra.max_train_attempts={ctx.settings.max_train_attempts}); last error: {error}",
+                    "trainer_failed",
+                )
+            except RunFailed:
+                return []
+        queue_training(ctx, step, delay_seconds=min(60.0, 5.0 * row.train_claims))
     return ctx.outbox_ids
 
 
@@ -247,38 +246,37 @@ def finish_training(
     """Publish version step+1 and mark the step trained, then admit what the new version
     unlocks. Returns the outbox rows written (to relay at once), or None if this trainer lost
     the step (another trainer finished it, or the run ended) and its work must be discarded."""
-    ctx = RunContext.open(session, run_id, now)
-    row = session.get(Step, (run_id, step))
-    if row is None or row.status != StepStatus.TRAINING.value or row.trainer_id != trainer_id[:200]:
-        return None
-    if ctx.run.weight_version != step:
-        return None
-    publish_weight_version(ctx, step + 1, weights_path, trained_step=step)
-    row.status = StepStatus.TRAINED.value
-    row.trained_at = ctx.now
-    row.trainer_lease_until = None
-    session.execute(
-        update(Group)
-        .where(
-            Group.attempt_id.in_(
-                select(Slot.group_attempt_id).where(Slot.run_id == run_id, Slot.step == step)
+    with RunContext.open(session, run_id, now) as ctx:
+        row = ctx.find_step(step)
+        if row is None or row.status != StepStatus.TRAINING.value or row.trainer_id != trainer_id[:200]:
+            return None
+        if ctx.run.weight_version != step:
+            return None
+        publish_weight_version(ctx, step + 1, weights_path, trained_step=step)
+        row.status = StepStatus.TRAINED.value
+        row.trained_at = ctx.now
+        row.trainer_lease_until = None
+        session.execute(
+            update(Group)
+            .where(
+                Group.attempt_id.in_(
+                    select(Slot.group_attempt_id).where(Slot.run_id == run_id, Slot.step == step)
+                )
             )
+            .values(trained_step=step)
+            .execution_options(synchronize_session=False)
         )
-        .values(trained_step=step)
-        .execution_options(synchronize_session=False)
-    )
-    stored = session.get(StepMetrics, (run_id, step))
-    if stored is not None:
-        known = {"loss", "grad_norm", "clip_fraction", "entropy", "kl", "train_seconds"}
-        for key in known & metrics.keys():
-            setattr(stored, key, float(metrics[key]))
-        stored.extra = {k: float(v) for k, v in metrics.items() if k not in known}
-    following = session.get(Step, (run_id, step + 1))
-    if following is not None and following.status == StepStatus.RELEASED.value:
-        queue_training(ctx, step + 1)
-    admit(ctx)
-    check_completion(ctx)
-    ctx.flush()
+        stored = session.get(StepMetrics, (run_id, step))
+        if stored is not None:
+            known = {"loss", "grad_norm", "clip_fraction", "entropy", "kl", "train_seconds"}
+            for key in known & metrics.keys():
+                setattr(stored, key, float(metrics[key]))
+            stored.extra = {k: float(v) for k, v in metrics.items() if k not in known}
+        following = ctx.find_step(step + 1)
+        if following is not None and following.status == StepStatus.RELEASED.value:
+            queue_training(ctx, step + 1)
+        admit(ctx)
+        check_completion(ctx)
     return ctx.outbox_ids
 
 

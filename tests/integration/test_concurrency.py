@@ -382,19 +382,20 @@ def test_trainer_heartbeat_between_the_reapers_read_and_write(pg: Ledger) -> Non
             d.ledger.transaction(lambda s: extend_training_lease(s, d.run_id, 0, "t1", 300, d.now))
         )
 
-    def before_flush(session, _context, _instances):  # type: ignore[no-untyped-def]
-        if heartbeat_thread:
+    def before_write(_conn, _cursor, statement, _params, _context, _many):  # type: ignore[no-untyped-def]
+        # The reaper has read the step (locked) and is about to write it back.
+        if heartbeat_thread or not statement.startswith("UPDATE steps"):
             return
         thread = threading.Thread(target=heartbeat)
         heartbeat_thread.append(thread)
         thread.start()
         thread.join(timeout=0.5)
 
-    event.listen(pg.sessions, "before_flush", before_flush)
+    event.listen(pg.engine, "before_cursor_execute", before_write)
     try:
         reaped = d.ledger.transaction(lambda s: expire_leases(s, d.run_id, d.now))
     finally:
-        event.remove(pg.sessions, "before_flush", before_flush)
+        event.remove(pg.engine, "before_cursor_execute", before_write)
     heartbeat_thread[0].join(timeout=10)
     assert heartbeat_result, "the heartbeat never finished"
     step = d.step(0)

@@ -228,7 +228,7 @@ def test_reads_run_together_return_what_each_query_returns_alone(ledger) -> None
     same rows, values and types as one query per read: timestamps, floats that are whole
     numbers, JSON, NULLs, each read's order and LIMIT, extra columns and plain tuples."""
     from refill.models import sql
-    from refill.models.rows import AttemptRow, Read, RowStore, SlotRow, SpareRow
+    from refill.models.rows import AttemptRow, Read, RowStore, SlotRow, SpareRow, StepRow
 
     d = Driver(ledger, {"grpo": {"num_prompts_per_step": 8}, "async_rl": {"max_lookahead_versions": 1}}, num_prompts=80)
     d.admit()
@@ -250,6 +250,7 @@ def test_reads_run_together_return_what_each_query_returns_alone(ledger) -> None
             Read(SlotRow, committed, extra=("lender_version",)),
             Read(None, parked, extra=("attempt_id", "weight_version")),
             Read(SpareRow, sql.spares(run_id, 0, 4)),
+            Read(StepRow, sql.unfinished_steps(run_id)),
         ]
 
     def typed(found):  # type: ignore[no-untyped-def]
@@ -272,6 +273,7 @@ def test_reads_run_together_return_what_each_query_returns_alone(ledger) -> None
         ]
         assert [len(rows) for rows in together] == [len(rows) for rows in alone]
         assert len(together[1]) == 1 and len(together[2]) == 5 and together[3]  # LIMITs held; a lender
+        assert [step.step for step in together[6]] == [0, 1]  # in step order, with their timestamps
         assert typed(together) == typed(alone)
         means = {a.reward_mean for a in together[0] if a.reward_mean is not None}
         assert 0.5 in means and any(float(m).is_integer() for m in means)

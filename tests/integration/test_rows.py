@@ -145,3 +145,31 @@ def test_the_spares_a_batch_takes_are_marked_in_one_statement_with_their_attempt
         ).all()
     assert sorted((step, idx) for _, _, step, idx in taken) == [(0, idx) for idx in range(4)]
     assert all(spare == attempt for spare, attempt, _, _ in taken)
+
+
+def test_a_batch_of_results_and_an_admission_write_the_run_and_its_steps_without_the_orm(ledger) -> None:  # type: ignore[no-untyped-def]
+    """The run's row and its steps are rows like the others: a batch that commits, filters and
+    borrows changes the run's counters and a step's, and none of it goes through an ORM flush;
+    nor does admitting a step. (A step's release records its metrics as an ORM object.)"""
+    d = Driver(ledger, {"grpo": {"num_prompts_per_step": 8}, "async_rl": {"max_lookahead_versions": 1}}, num_prompts=80)
+    flushes: list[int] = []
+
+    def count(session, _context, _instances):  # type: ignore[no-untyped-def]
+        flushes.append(len(session.new) + len(session.dirty))
+
+    event.listen(ledger.sessions, "before_flush", count)
+    try:
+        assert d.admit() == [0, 1]
+        d.start_all([a.id for a in d.live()])
+        batch = [d.result(d.live_of(1, idx).id, SPREAD) for idx in (0, 1)]
+        batch += [d.result(d.live_of(0, idx).id, FLAT) for idx in (2, 3)]  # filtered: they borrow
+        outcomes = [r.outcome.value for r in d.record(*batch).outcomes]
+    finally:
+        event.remove(ledger.sessions, "before_flush", count)
+    assert outcomes == ["COMMITTED", "COMMITTED", "FILTERED", "FILTERED"]
+    assert flushes == []
+    # What the batch changed on the run's row and the steps' is in the ledger.
+    run = d.run()
+    assert (run.next_step, run.scored_groups, run.zero_variance_groups) == (2, 4, 2)
+    assert d.step(1).committed == 0  # lent both of its groups to step 0
+    assert d.step(0).committed == 2
