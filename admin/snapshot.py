@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
 from refill.models.db import Ledger
@@ -38,6 +38,10 @@ def read_snapshot(ledger: Ledger) -> Iterator[Session]:
                 isolation_level="REPEATABLE READ", postgresql_readonly=True
             )
         with Session(bind=connection) as session:
+            if ledger.engine.dialect.name == "postgresql":
+                # A long answer may think between its queries for longer than the fleet's
+                # transactions may sit idle (`models/db.py`); it holds no locks.
+                session.execute(text("SET LOCAL idle_in_transaction_session_timeout = 0"))
             try:
                 yield session
             finally:

@@ -40,7 +40,12 @@ _RETRYABLE_SQLSTATES = {
     "08000",
     "08003",
     "08006",  # connection exceptions
+    "25P03",  # idle_in_transaction_session_timeout: the server ended a frozen transaction
 }
+
+
+#: How long PostgreSQL lets a ledger connection sit idle inside a transaction (`make_engine`).
+IDLE_IN_TRANSACTION_SECONDS = 15
 
 
 def redact(url: str) -> str:
@@ -70,8 +75,17 @@ def make_engine(url: str, *, echo: bool = False, application_name: str | None = 
     if parsed.get_backend_name() == "postgresql" and parsed.drivername == "postgresql":
         # Plain postgresql:// would pick psycopg2, which refill does not depend on.
         parsed = parsed.set(drivername="postgresql+psycopg")
-    connect_args = {"application_name": application_name[:63]} if application_name else {}
-    return create_engine(
+    connect_args: dict[str, str] = {"application_name": application_name[:63]} if application_name else {}
+    # A process frozen inside a transaction (a VM paused, SIGSTOP, a partition) keeps its row
+    # locks until the server ends the transaction: a worker frozen mid-heartbeat would stall
+    # every batch that touches its attempt, under the run's lock, for as long as it sleeps.
+    # The server ends a transaction idle this long (the holder's `Ledger.transaction` runs it
+    # again if it wakes). The fleet's transactions are milliseconds between statements; the
+    # admin's long reads opt out (`admin/snapshot.py`); a URL that sets it keeps its own.
+    options = str(parsed.query.get("options") or "")
+    if "idle_in_transaction_session_timeout" not in options:
+        connect_args["options"] = f"{options} -c idle_in_transaction_session_timeout={IDLE_IN_TRANSACTION_SECONDS}s".strip()
+    engine = create_engine(
         parsed,
         echo=echo,
         # A ping on checkout (a round trip per transaction). Without it every write still
@@ -86,6 +100,8 @@ def make_engine(url: str, *, echo: bool = False, application_name: str | None = 
         pool_recycle=1800,
         connect_args=connect_args,
     )
+
+    return engine
 
 
 def _configure_sqlite(engine: Engine) -> None:

@@ -250,6 +250,9 @@ def _reap(ctx: RunContext, session: Session, now: datetime | None, reachable_for
     # the lease (start_attempt) does not take the run lock, and without the row lock it could
     # commit between this read and the write below, and be told it holds an attempt that is
     # then failed anyway. With it, whichever goes first wins and the other sees its result.
+    # A row locked already is skipped, not waited for: its holder is renewing it right now,
+    # or is frozen mid-transaction, and waiting would hold the run's lock, and every batch of
+    # the run, until the server ends that transaction (models/db.py); the next pass judges it.
     expired = (
         ctx.rows.load(
             AttemptRow,
@@ -260,7 +263,7 @@ def _reap(ctx: RunContext, session: Session, now: datetime | None, reachable_for
                 Attempt.leased_until < ctx.now,
             )
             .order_by(Attempt.id)
-            .with_for_update(key_share=True),
+            .with_for_update(key_share=True, skip_locked=True),
         )
         if states
         else []
@@ -285,7 +288,7 @@ def _reap(ctx: RunContext, session: Session, now: datetime | None, reachable_for
             reaped.attempts += 1
     except RunFailed as failure:
         reaped.failed = str(failure)
-    # Locked as read, for the reason above: extend_training_lease takes no run lock.
+    # Locked as read (or skipped), for the reasons above: extend_training_lease takes no run lock.
     stuck = (
         ctx.rows.load(
             StepRow,
@@ -295,7 +298,7 @@ def _reap(ctx: RunContext, session: Session, now: datetime | None, reachable_for
                 _steps.c.status == StepStatus.TRAINING.value,
                 _steps.c.trainer_lease_until < ctx.now,
             )
-            .with_for_update(key_share=True),
+            .with_for_update(key_share=True, skip_locked=True),
             refresh=True,
         )
         if judged(ctx.settings.trainer_lease_seconds)

@@ -265,6 +265,35 @@ def test_heartbeat_between_the_reapers_read_and_write(pg: Ledger, monkeypatch: p
     consistent(d)
 
 
+def test_the_reaper_passes_over_an_expired_lease_whose_row_is_held_and_judges_it_next(pg: Ledger) -> None:
+    """A worker frozen inside its heartbeat's transaction holds its attempt's row. The reaper
+    must not wait for it: it would hold the run's lock, and every batch of the run, for as long
+    as the worker sleeps. It reaps the other expired leases and judges that one once free."""
+    d = Driver(pg)
+    d.admit()
+    held, other = d.live_of(0, 0), d.live_of(0, 1)
+    d.start(held.id)
+    d.start(other.id)
+    d.tick(61)
+    with pg.engine.connect() as frozen:
+        holding = frozen.begin()
+        frozen.execute(text("SELECT id FROM attempts WHERE id = :id FOR NO KEY UPDATE"), {"id": held.id})
+        done: list[Any] = []
+        reaper_thread = threading.Thread(target=lambda: done.append(d.reap()))
+        reaper_thread.start()
+        reaper_thread.join(timeout=10)
+        finished_while_held = not reaper_thread.is_alive()
+        holding.rollback()
+    reaper_thread.join(timeout=10)
+    assert finished_while_held, "the reaper waited for the held row"
+    assert done[0].attempts == 1
+    assert d.attempt(other.id).failure_kind == "infra"
+    assert d.attempt(held.id).state == "running"
+    assert d.reap().attempts == 1  # free now: judged on the next pass
+    assert d.attempt(held.id).failure_kind == "infra"
+    consistent(d)
+
+
 def test_a_duplicated_generate_message_starts_one_lease(pg: Ledger) -> None:
     d = many_steps(pg)
 

@@ -1,12 +1,19 @@
 """A pooled connection the database dropped costs a transaction nothing: the pool's ping
 finds it out on checkout, and a connection that drops under a transaction makes
-`Ledger.transaction` (and the exporter's read) run again on a fresh one."""
+`Ledger.transaction` (and the exporter's read) run again on a fresh one. A transaction whose
+process froze inside it is ended by the server, so its row locks do not outlive the freeze."""
 
 from __future__ import annotations
 
+import time
+
+import pytest
 from sqlalchemy import text
+from sqlalchemy.exc import DBAPIError
 
 from refill.admin.exporter import read_ledger
+from refill.admin.snapshot import read_snapshot
+from refill.models import db
 from refill.models.db import Ledger, make_engine
 
 
@@ -36,3 +43,40 @@ def test_a_transaction_on_a_dropped_connection_runs_again_on_a_fresh_one(pg_url)
         assert isinstance(runs, list) and isinstance(rejected, dict)
     finally:
         ledger.dispose()
+
+
+def test_the_server_ends_a_transaction_left_idle_and_the_admins_reads_may_think(pg_url, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    default = make_engine(pg_url)
+    with default.connect() as connection:
+        assert connection.execute(text("SHOW idle_in_transaction_session_timeout")).scalar_one() == f"{db.IDLE_IN_TRANSACTION_SECONDS}s"
+    default.dispose()
+    own = make_engine(f"{pg_url}?options=-c%20idle_in_transaction_session_timeout%3D7min")
+    with own.connect() as connection:  # a URL that sets it keeps its own
+        assert connection.execute(text("SHOW idle_in_transaction_session_timeout")).scalar_one() == "7min"
+    own.dispose()
+
+    monkeypatch.setattr(db, "IDLE_IN_TRANSACTION_SECONDS", 1)
+    ledger = Ledger(pg_url)
+    other = make_engine(pg_url)
+    try:
+        with ledger.engine.connect() as frozen:
+            frozen.begin()
+            frozen.execute(text("CREATE TEMP TABLE held (id int PRIMARY KEY)"))
+            frozen.execute(text("INSERT INTO held VALUES (1)"))
+            frozen.execute(text("SELECT pg_advisory_xact_lock(424242)"))
+            time.sleep(2.5)  # a process frozen mid-transaction, past the timeout
+            with other.connect() as connection:
+                # Its locks went with its transaction: another takes the same lock at once.
+                assert connection.execute(text("SELECT pg_try_advisory_lock(424242)")).scalar_one() is True
+                connection.execute(text("SELECT pg_advisory_unlock(424242)"))
+            with pytest.raises(DBAPIError) as ended:
+                frozen.execute(text("SELECT 1"))
+            assert db.is_retryable(ended.value)  # a woken holder's Ledger.transaction runs again
+        # The admin's snapshot reads opt out: one may think between its queries.
+        with read_snapshot(ledger) as session:
+            session.execute(text("SELECT 1"))
+            time.sleep(2.5)
+            assert session.execute(text("SELECT 2")).scalar_one() == 2
+    finally:
+        ledger.dispose()
+        other.dispose()
