@@ -83,6 +83,7 @@ def open_step(ctx: RunContext, step: int, prompt_ids: list[int]) -> StepRow:
             "extras": 0,
         },
     )
+    ctx.steps_changed = True
     # The step must be in the database before its slots.
     ctx.flush()
     ctx.session.execute(

@@ -28,6 +28,7 @@ def maybe_release(ctx: RunContext, step: StepRow) -> bool:
         return False
     step.status = StepStatus.RELEASED.value
     step.released_at = ctx.now
+    ctx.steps_changed = True
     # Looked up on the module at each call so that `python -m bench overhead` can time the
     # metrics apart from the rest of the release.
     metrics.record_release_metrics(ctx, step)

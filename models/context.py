@@ -140,6 +140,8 @@ class RunContext:
     _open_slots_truncated: bool = False
     #: whether `rows.steps` holds every step of the run not trained yet (`unfinished_steps`)
     _unfinished_read: bool = False
+    #: a step opened or left 'open' here: extras may be stranded (`overdispatch.reaim_if_steps_changed`)
+    steps_changed: bool = False
     #: ids for the attempts, outbox rows and spare prompts this transaction creates (set by
     #: `open`)
     ids: IdBlocks = field(default=None)  # type: ignore[assignment]
@@ -294,12 +296,10 @@ class RunContext:
 
     def unfinished_steps(self) -> list[StepRow]:
         """The run's steps that are not trained yet, in step order: read once per transaction
-        (or with the batch's other reads, `read_ahead`), then kept by this transaction's own
-        changes, which are made on these same rows (a step it admits is added to them).
-
-        A step changes status only in a transaction that holds the run's lock (admission,
-        release, the trainer's claim and finish, the reaper all open a `RunContext`), so what
-        this transaction read stays true but for its own changes."""
+        (or with a batch's other reads, `read_ahead`), then kept by this transaction's own
+        changes, made on these same rows (a step it admits joins them). A step changes status
+        only under the run's lock (admission, release, the trainer's claim and finish, the
+        reaper), so what this transaction read stays true but for its own changes."""
         if not self._unfinished_read:
             self.rows.load(StepRow, sql.unfinished_steps(self.run.id))
             self._unfinished_read = True

@@ -23,6 +23,7 @@ from sqlalchemy.orm import Session
 from refill.models.barrier import queue_training
 from refill.models.clock import ledger_now, ledger_now_in, ledger_up_seconds
 from refill.models.context import ATTEMPT_COLUMNS, RunContext
+from refill.models.overdispatch import reaim_if_steps_changed
 from refill.models.rows import AttemptRow, StepRow
 from refill.models.settings import settings_for
 from refill.models.slots import RunFailed, infra_failure, lost_in_queue
@@ -311,6 +312,8 @@ def _reap(ctx: RunContext, session: Session, now: datetime | None, reachable_for
             queue_training(ctx, step.step)
         reaped.train_steps += 1
     reaped.train_steps += _requeue_lost_training(ctx)
+    # A failure that shrank a slot may have released its step, stranding its unstarted extras.
+    reaim_if_steps_changed(ctx)
     return reaped
 
 

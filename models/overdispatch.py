@@ -74,13 +74,16 @@ def top_up(ctx: RunContext) -> int:
         return 0
     newest = ctx.find_step(ctx.run.next_step - 1) if ctx.run.next_step else None
     p = zero_variance_estimate(ctx).p
-    ctx.flush()  # the statements below see this transaction's rows
-    reaim_stranded_extras(ctx)
     fill_tails_from_parked(ctx)
+    reaim_if_steps_changed(ctx)
     if newest is None or newest.status != StepStatus.OPEN.value:
         return 0
     # The step's live attempts, and the parked groups it may borrow (supply already
     # committed): two counts in one round trip, as every batch of results asks for them.
+    # Counted in the database as it was before this batch, plus what the batch changed and
+    # has not written yet: writing it first, for these counts alone, cost every batch a
+    # second round of writes (the extras dispatched below are written with the rest).
+    bound = newest.step - settings.max_lookahead_versions
     live, parked = ctx.session.execute(
         select(
             select(func.count())
@@ -90,12 +93,18 @@ def top_up(ctx: RunContext) -> int:
             .where(
                 _groups.c.run_id == ctx.run.id,
                 _groups.c.parked.is_(True),
-                _groups.c.weight_version >= newest.step - settings.max_lookahead_versions,
+                _groups.c.weight_version >= bound,
             )
             .scalar_subquery(),
         )
     ).one()
-    need = newest.num_slots - newest.shrunk - newest.committed - int(parked or 0)
+    live = int(live or 0) + ctx.rows.unwritten_change(
+        AttemptRow, lambda row: row["state"] in LIVE and row["step"] == newest.step
+    )
+    parked = int(parked or 0) + ctx.rows.unwritten_change(
+        GroupRow, lambda row: bool(row["parked"]) and row["weight_version"] >= bound
+    )
+    need = newest.num_slots - newest.shrunk - newest.committed - parked
     cap = math.floor(settings.over_dispatch_max_fraction * newest.num_slots) - newest.extras
     sigmas = settings.over_dispatch_sigmas
     if settings.max_lookahead_versions >= 1:
@@ -104,7 +113,7 @@ def top_up(ctx: RunContext) -> int:
         # be carried `max_lookahead_versions` steps. The margin is taken below the expected
         # need: a few slots borrow rather than many groups expire unused.
         sigmas = -sigmas
-    add = decisions.extra_attempts(need, int(live or 0), p, sigmas, max(0, cap))
+    add = decisions.extra_attempts(need, live, p, sigmas, max(0, cap))
     sent = 0
     for _ in range(add):
         spare = take_spare(ctx)
@@ -125,6 +134,19 @@ def steps_between(open_steps: Sequence[int]) -> list[tuple[int, int | None]]:
         for low, high in pairwise(bounds)
         if low is not None and (high is None or high > low + 1)
     ]
+
+
+def reaim_if_steps_changed(ctx: RunContext) -> int:
+    """`reaim_stranded_extras` (after a flush) if a step opened or left 'open' in this
+    transaction: only then can an unstarted extra be left on a step that no longer takes
+    groups, or a step be there to take it, since every transaction that opens or releases a
+    step calls this (a batch of results and admission through `top_up`, the reaper)."""
+    settings = ctx.settings
+    if not (ctx.steps_changed and settings.over_dispatch and settings.use_dynamic_sampling and ctx.running):
+        return 0
+    ctx.flush()
+    ctx.steps_changed = False
+    return reaim_stranded_extras(ctx)
 
 
 def reaim_stranded_extras(ctx: RunContext) -> int:
@@ -240,10 +262,15 @@ def fill_tails_from_parked(ctx: RunContext) -> int:
     """
     filled = 0
     lookahead = ctx.settings.max_lookahead_versions
+    flushed = False
     for step in ctx.open_steps():
         open_count = step.num_slots - step.committed - step.shrunk
         if not 0 < open_count <= tail_slots(step.num_slots, ctx.settings.over_dispatch_tail_fraction):
             continue
+        if not flushed:
+            # The queries below see the groups this transaction parked and the slots it settled.
+            ctx.flush()
+            flushed = True
         groups = ctx.rows.load(
             GroupRow,
             select(*GROUP_COLUMNS)

@@ -342,6 +342,17 @@ class RowStore:
         saved = self._saved.get(id(row))
         return saved is None or row.__dict__ != saved
 
+    def unwritten_change(self, cls: type[Row], counts: Callable[[dict[str, Any]], bool]) -> int:
+        """How many more rows of `cls` here `counts` would count once written than as the
+        database holds them now: a count read from the database plus this is the count after
+        the next `write`, without writing first (a new row counts from nothing)."""
+        saved_of = self._saved
+        change = 0
+        for row in self._maps[cls].values():
+            saved = saved_of.get(id(row))
+            change += counts(row.__dict__) - (saved is not None and counts(saved))
+        return change
+
     # --- making --------------------------------------------------------------------------
 
     def new(self, cls: type[Row], values: Mapping[str, Any]) -> Any:

@@ -129,3 +129,105 @@ def test_run_detail_counts_parked_groups_no_step_can_still_train_as_expired(ledg
     d.ledger.transaction(lambda s: s.execute(update(Group).where(Group.attempt_id == extra.id).values(weight_version=0)))
     d.stop()
     assert (groups()["parked"], groups()["parked_expired"]) == (1, 1)  # the run ended
+
+
+def test_a_step_the_reaper_releases_hands_its_unstarted_extras_to_the_newest_open_step(ledger) -> None:  # type: ignore[no-untyped-def]
+    # The reaper releases step 1 by shrinking its last slot (a dropped prompt): its extras move
+    # in the same transaction, as they do when a batch of results releases it.
+    config = over_dispatch(lookahead=1, sigmas=0.0)
+    config["rollout_failure"] = {"on_dropped_prompt": "shrink", "max_attempts_per_prompt": 1, "min_step_batch_fraction": 0.5}
+    d = Driver(ledger, config)
+    d.admit()
+    stranded = [a.id for a in extras(d, 1)]
+    assert len(stranded) == 2
+    for idx in range(3):
+        d.commit_slot(1, idx, SPREAD, version=0)
+    last = d.live_of(1, 3)
+    d.start(last.id)
+    d.tick(61)
+    assert d.reap().attempts == 1
+    assert d.slot(1, 3).status == "shrunk" and d.step(1).status == "released"
+    assert [(a.step, a.slot_idx, a.state) for a in map(d.attempt, stranded)] == [(0, None, "pending")] * 2
+
+
+def test_a_batch_counts_what_it_has_not_written_as_a_write_would(ledger) -> None:  # type: ignore[no-untyped-def]
+    """Over-dispatch counts the newest step's live attempts and the parked groups in the
+    database plus what the batch changed in memory (`RowStore.unwritten_change`): the same
+    numbers as counting after writing the batch."""
+    from sqlalchemy import func, select
+
+    from refill.models.context import ATTEMPT_COLUMNS, GROUP_COLUMNS, RunContext
+    from refill.models.rows import AttemptRow, GroupRow
+    from refill.models.slots import LIVE
+    from refill.models.tables import Attempt, Group
+
+    d = Driver(ledger, over_dispatch(lookahead=1, sigmas=0.0))
+    d.admit()
+    d.commit_slot(1, 0, SPREAD, version=0)
+    attempts, groups = Attempt.__table__, Group.__table__
+
+    def counted(session, run_id):  # type: ignore[no-untyped-def]
+        live = session.scalar(select(func.count()).where(attempts.c.run_id == run_id, attempts.c.step == 1, attempts.c.state.in_(LIVE)))
+        parked = session.scalar(select(func.count()).where(groups.c.run_id == run_id, groups.c.parked.is_(True)))
+        return live, parked
+
+    def look(session):  # type: ignore[no-untyped-def]
+        ctx = RunContext.open(session, d.run_id, d.now)
+        rows = ctx.rows
+        live = rows.load(AttemptRow, select(*ATTEMPT_COLUMNS).where(attempts.c.run_id == d.run_id).order_by(attempts.c.id))
+        (group,) = rows.load(GroupRow, select(*GROUP_COLUMNS).where(groups.c.run_id == d.run_id))
+        original = counted(session, d.run_id)
+        # Changes of every kind: one attempt finishes, one moves to step 1, a new one is made
+        # there, a group is parked.
+        step_1 = [a for a in live if a.step == 1 and a.state in LIVE]
+        step_0 = [a for a in live if a.step == 0 and a.state in LIVE]
+        step_1[0].state, step_1[0].failure_kind, step_1[0].finished_at = "failed", "infra", d.now
+        step_0[0].step = 1
+        ctx.new_attempt({**{k: v for k, v in step_1[1].__dict__.items() if k != "id"}, "slot_idx": None, "reason": "extra"})
+        group.parked = True
+        before = counted(session, d.run_id)  # as the database holds it (SQLite inserted the new row)
+        expected = (
+            before[0] + rows.unwritten_change(AttemptRow, lambda r: r["state"] in LIVE and r["step"] == 1),
+            before[1] + rows.unwritten_change(GroupRow, lambda r: bool(r["parked"])),
+        )
+        ctx.flush()
+        assert expected == counted(session, d.run_id) == (original[0] + 1, original[1] + 1)
+        raise Rollback
+
+    class Rollback(Exception):
+        pass
+
+    import pytest
+
+    with pytest.raises(Rollback):
+        ledger.transaction(look)
+
+
+def test_a_batch_that_dispatches_extras_writes_each_table_once(pg_ledger) -> None:  # type: ignore[no-untyped-def]
+    """Two filtered groups (their slots take spare prompts) and a committed one: over-dispatch
+    sends another extra, and the batch's rows, its replacements and the extra go out together,
+    one INSERT or UPDATE per table (it used to write the batch before counting, then the extra)."""
+    from sqlalchemy import event
+
+    from tests.support.driver import FLAT
+
+    d = Driver(pg_ledger, over_dispatch(lookahead=1, sigmas=0.0))
+    d.admit()
+    d.start_all([a.id for a in d.live()])
+    assert len(extras(d, 1)) == 2
+    batch = [d.result(d.live_of(1, 0).id, FLAT), d.result(d.live_of(1, 1).id, FLAT), d.result(d.live_of(1, 2).id, SPREAD)]
+    writes: list[str] = []
+
+    def record(conn, cursor, statement, *args):  # type: ignore[no-untyped-def]
+        words = statement.split()
+        if words[0] in ("INSERT", "UPDATE"):
+            writes.append(f"{words[0]} {words[2] if words[0] == 'INSERT' else words[1]}")
+
+    event.listen(pg_ledger.engine, "before_cursor_execute", record)
+    try:
+        d.record(*batch)
+    finally:
+        event.remove(pg_ledger.engine, "before_cursor_execute", record)
+    assert len(extras(d, 1)) == 3
+    assert "INSERT attempts" in writes and "UPDATE attempts" in writes
+    assert sorted(writes) == sorted(set(writes)), writes
