@@ -27,7 +27,7 @@ from refill.models.overdispatch import reaim_if_steps_changed
 from refill.models.rows import AttemptRow, StepRow
 from refill.models.settings import settings_for
 from refill.models.slots import RunFailed, infra_failure, lost_in_queue
-from refill.models.sql import STEP_COLUMNS
+from refill.models.sql import STEP_COLUMNS, literal_in
 from refill.models.tables import (
     Attempt,
     AttemptState,
@@ -180,19 +180,32 @@ def _can_start(run_id: int) -> tuple[Any, Any]:
 
 def extend_lease(session: Session, attempt_id: int, worker: str, seconds: float, now: datetime | None = None) -> bool:
     """Heartbeat: push the lease out; False when the attempt is no longer ours."""
+    return attempt_id in extend_leases(session, {attempt_id: seconds}, worker, now)
+
+
+def extend_leases(session: Session, held: dict[int, float], worker: str, now: datetime | None = None) -> set[int]:
+    """A worker's heartbeat: push out the leases of `held` (attempt -> lease seconds) that are
+    still `worker`'s, from the database's clock; returns the attempts extended (one that is not
+    was taken back: the worker stops caring for it). One statement per lease length, each
+    writing `now()` itself (`ledger_now_in`)."""
     now = ledger_now_in(session, now)
-    return bool(
-        session.execute(
-            update(Attempt)
-            .where(
-                Attempt.id == attempt_id,
-                Attempt.state == AttemptState.RUNNING.value,
-                Attempt.worker == worker[:200],
+    table = Attempt.__table__
+    extended: set[int] = set()
+    for seconds in sorted(set(held.values())):
+        ids = sorted(a for a, s in held.items() if s == seconds)
+        extended.update(
+            session.scalars(
+                update(table)
+                .where(
+                    literal_in(table.c.id, ids),
+                    table.c.state == AttemptState.RUNNING.value,
+                    table.c.worker == worker[:200],
+                )
+                .values(leased_until=now + timedelta(seconds=seconds))
+                .returning(table.c.id)
             )
-            .values(leased_until=now + timedelta(seconds=seconds))
-            .execution_options(synchronize_session=False)
-        ).rowcount
-    )
+        )
+    return extended
 
 
 @dataclass

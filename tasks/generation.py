@@ -23,18 +23,16 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import select
 
 from refill.config import RunConfig, from_snapshot
 from refill.microbatcher import MicroBatcher
 from refill.models import decisions, rollout_codec
-from refill.models.clock import ledger_now
 from refill.models.db import Ledger
-from refill.models.leases import Lease, start_attempts, startable
+from refill.models.leases import Lease, extend_leases, start_attempts, startable
 from refill.models.payload import (
     ClaimCheckResult,
     GenerateMessage,
@@ -43,7 +41,7 @@ from refill.models.payload import (
 )
 from refill.models.payload_store import FileStore, Staged, store_for
 from refill.models.settings import LedgerSettings
-from refill.models.tables import Attempt, AttemptState, Run
+from refill.models.tables import Run
 from refill.models.training import newest_weights
 from refill.rewards.loader import load_reward_fn
 from refill.rewards.scoring import RewardError, score_group
@@ -520,28 +518,7 @@ class LeaseKeeper:
     def _extend(self, held: dict[int, float]) -> set[int]:
         """Push out the leases of `held` (attempt -> lease seconds) that are still ours, from
         the database's clock; returns the attempts extended."""
-
-        def extend(session) -> set[int]:  # type: ignore[no-untyped-def]
-            now = ledger_now(session)
-            extended: set[int] = set()
-            for seconds in set(held.values()):
-                ids = [a for a, s in held.items() if s == seconds]
-                extended.update(
-                    session.scalars(
-                        update(Attempt)
-                        .where(
-                            Attempt.id.in_(ids),
-                            Attempt.state == AttemptState.RUNNING.value,
-                            Attempt.worker == self.worker[:200],
-                        )
-                        .values(leased_until=now + timedelta(seconds=seconds))
-                        .returning(Attempt.id)
-                        .execution_options(synchronize_session=False)
-                    )
-                )
-            return extended
-
-        return self.ledger.transaction(extend, what="lease heartbeat")
+        return self.ledger.transaction(lambda s: extend_leases(s, held, self.worker), what="lease heartbeat")
 
     def _run(self) -> None:
         last = time.monotonic()

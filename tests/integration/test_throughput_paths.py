@@ -76,6 +76,7 @@ def test_a_worker_handshake_and_heartbeat_write_the_ledger_clock_without_reading
 
     from refill.models.clock import utcnow
     from refill.models.leases import extend_lease
+    from refill.tasks.generation import LeaseKeeper
 
     d = Driver(ledger)
     d.admit()
@@ -100,6 +101,13 @@ def test_a_worker_handshake_and_heartbeat_write_the_ledger_clock_without_reading
         row = d.attempt(attempt_id)
         seen.clear()
         assert ledger.transaction(lambda s: extend_lease(s, attempt_id, "w1", 90.0))
+        # The worker's own heartbeat (its lease keeper, every lease it holds at once) too.
+        keeper = LeaseKeeper(ledger, "w1")
+        try:
+            assert keeper._extend({attempt_id: 90.0}) == {attempt_id}
+            assert keeper._extend({attempt_id + 10_000: 90.0}) == set()  # not ours: not extended
+        finally:
+            keeper.close()
         heartbeat_reads = clock_reads()
     finally:
         event.remove(ledger.engine, "before_cursor_execute", record)
