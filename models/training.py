@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session
 from refill.models import decisions, rollout_codec
 from refill.models.admission import admit
 from refill.models.barrier import queue_training
-from refill.models.clock import ledger_now
+from refill.models.clock import ledger_now_in
 from refill.models.context import RunContext
 from refill.models.metrics import seconds_between
 from refill.models.payload import PayloadRef, TrainGroup
@@ -218,7 +218,7 @@ def extend_training_lease(
     session: Session, run_id: int, step: int, trainer_id: str, seconds: float, now: datetime | None = None
 ) -> bool:
     """Renew the trainer's lease on the database's clock (`now` only where a test sets it)."""
-    now = ledger_now(session) if now is None else now
+    now = ledger_now_in(session, now)  # the trainer's heartbeat: now() inside the statement
     return bool(
         session.execute(
             update(Step)

@@ -21,7 +21,7 @@ from datetime import timedelta
 
 from celery import Celery
 
-from refill.models.clock import ledger_now
+from refill.models.clock import ledger_now_in
 from refill.models.db import Ledger
 from refill.models.outbox import Outgoing, claim_outbox, mark_sent, prune_relayed
 from refill.tasks.queues import TASK_GENERATE, TASK_TRAIN_STEP
@@ -122,7 +122,9 @@ def relay(
         return 0
 
     def send(session) -> int:  # type: ignore[no-untyped-def]
-        now = ledger_now(session)  # due times are the ledger's, not this machine's
+        # Due times are the ledger's, not this machine's: its now(), written into the statements
+        # (`ledger_now_in`) rather than read first, a round trip per pass.
+        now = ledger_now_in(session)
         messages = claim_outbox(
             session, claimer=claimer, now=now, limit=limit, ids=ids, run_id=run_id, queued_per_share=window
         )

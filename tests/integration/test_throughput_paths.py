@@ -252,3 +252,33 @@ def test_a_runs_first_messages_take_their_leases_together_before_its_engine_load
     finally:
         service.close()
     d.record(*(ResultMessage.from_json(r) for r in sent))
+
+
+def test_a_relay_pass_and_a_trainer_heartbeat_write_the_ledger_clock_without_reading_it_first(ledger) -> None:  # type: ignore[no-untyped-def]
+    from sqlalchemy import event
+
+    from refill.models.training import extend_training_lease
+    from refill.tasks.app import make_app
+    from refill.tasks.relay import relay
+
+    d = Driver(ledger)
+    d.admit()
+    statements: list[str] = []
+
+    def record(conn, cursor, statement, *args):  # type: ignore[no-untyped-def]
+        statements.append(statement.lstrip().lower())
+
+    event.listen(ledger.engine, "before_cursor_execute", record)
+    try:
+        sent = relay(ledger, make_app("memory://"), claimer="relay-test", run_id=d.run_id)
+        queued = d.attempts(0)
+        d.fill_step(0)
+        assert d.claim(0, "t1") is not None
+        assert ledger.transaction(lambda s: extend_training_lease(s, d.run_id, 0, "t1", 300))
+    finally:
+        event.remove(ledger.engine, "before_cursor_execute", record)
+    assert sent == len(d.outbox("generate")) > 0
+    assert not [s for s in statements if s.startswith("select now()")]
+    # Queued on the ledger's clock: leased for the queue time-out from when they were sent.
+    assert queued and all(a.state == "queued" and a.leased_until > a.dispatched_at for a in queued)
+    assert all(row.sent_at == queued[0].dispatched_at for row in d.outbox("generate"))
