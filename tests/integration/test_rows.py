@@ -173,3 +173,35 @@ def test_a_batch_of_results_and_an_admission_write_the_run_and_its_steps_without
     assert (run.next_step, run.scored_groups, run.zero_variance_groups) == (2, 4, 2)
     assert d.step(1).committed == 0  # lent both of its groups to step 0
     assert d.step(0).committed == 2
+
+
+def test_integers_booleans_and_floats_are_written_exactly_with_nulls_and_non_finite_values(pg_ledger) -> None:  # type: ignore[no-untyped-def]
+    """`UPDATE ... FROM unnest` passes these columns as array literals it spells itself
+    (`rows._array_literal`): every value, NULL, NaN and the infinities must come back as set."""
+    import math
+
+    d = Driver(pg_ledger, check=False)  # rows changed by hand, not by the ledger's rules
+    d.admit()
+    means = [0.1, float("nan"), float("inf"), float("-inf"), None, 1e-300, -2.5, 1 / 3]
+    with updates(pg_ledger) as seen, pg_ledger.session() as session:
+        store = RowStore(session)
+        attempts, _ = _load(store, d.run_id)
+        assert len(attempts) >= 4
+        attempts = attempts[:4]
+        for n, attempt in enumerate(attempts):
+            attempt.reward_mean, attempt.reward_min = means[2 * n], means[2 * n + 1]
+            attempt.zero_variance = (True, False, None, True)[n]
+            attempt.num_tokens = (2**31 - 1, 0, None, -7)[n]
+        assert store.write() == 4
+    assert [s.split()[:4] for s in seen] == [["UPDATE", "attempts", "AS", "t"]]  # one unnest statement
+    with pg_ledger.session() as session:
+        back = {row.id: row for row in session.scalars(select(Attempt).where(Attempt.id.in_([a.id for a in attempts])))}
+
+    def same(a, b) -> bool:  # type: ignore[no-untyped-def]
+        return (a is None and b is None) or (a is not None and b is not None and (a == b or (math.isnan(a) and math.isnan(b))))
+
+    for n, attempt in enumerate(attempts):
+        row = back[attempt.id]
+        assert same(row.reward_mean, means[2 * n]) and same(row.reward_min, means[2 * n + 1]), (n, row.reward_mean, row.reward_min)
+        assert row.zero_variance is (True, False, None, True)[n]
+        assert row.num_tokens == (2**31 - 1, 0, None, -7)[n]
