@@ -32,9 +32,7 @@ from typing import Any, ClassVar
 
 from sqlalchemy import (
     JSON,
-    Boolean,
     Float,
-    Integer,
     Table,
     and_,
     bindparam,
@@ -497,28 +495,22 @@ def _unnest_update(session: Session, table: Table, primary: list[str], keys: lis
     array parameter per column: a statement psycopg prepares once, whatever the row count."""
     dialect = session.get_bind().dialect
     names = [*primary, *keys]
+    arrays: dict[str, list[Any]] = {}
     casts = []
-    arrays: dict[str, Any] = {}
     for i, name in enumerate(primary):
-        found = [row.__dict__[name] for row in rows]
-        literal = _array_literal(table.c[name].type, found)
-        arrays[f"k{i}"] = found if literal is None else literal
+        arrays[f"k{i}"] = [row.__dict__[name] for row in rows]
         casts.append(f"CAST(:k{i} AS {table.c[name].type.compile(dialect)}[])")
     for i, key in enumerate(keys):
         column = table.c[key]
         values = [row.__dict__[key] for row in rows]
-        literal = _array_literal(column.type, values)
-        if literal is not None:
-            arrays[f"c{i}"] = literal
-        elif isinstance(column.type, JSON):
+        if isinstance(column.type, JSON):
             # As the JSON type writes a value (None included: JSON null, not SQL NULL).
             values = [json.dumps(value) for value in values]
-            arrays[f"c{i}"] = values
         else:
             process = column.type._cached_bind_processor(dialect)
             if process is not None:
                 values = [process(value) for value in values]
-            arrays[f"c{i}"] = values
+        arrays[f"c{i}"] = values
         casts.append(f"CAST(:c{i} AS {column.type.compile(dialect)}[])")
     assignments = ", ".join(f"{key} = v.{key}" for key in keys)
     match = " AND ".join(f"t.{name} = v.{name}" for name in primary)
@@ -527,20 +519,3 @@ def _unnest_update(session: Session, table: Table, primary: list[str], keys: lis
         f"FROM unnest({', '.join(casts)}) AS v({', '.join(names)}) WHERE {match}"
     ).bindparams(*(bindparam(name) for name in arrays))
     return statement, arrays
-
-
-_FLOAT_WORDS = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
-
-
-def _array_literal(kind: Any, values: list[Any]) -> str | None:
-    """`values` as a PostgreSQL array literal (`{1,NULL,3}`) for a column of integers, booleans
-    or floats; None for any other type (psycopg adapts those). psycopg adapts a list element by
-    element, checking each one's type and the integers' range, which cost more than the rest of
-    a batch's writes; these types' literals need no quoting."""
-    if isinstance(kind, Boolean):
-        return "{" + ",".join("NULL" if v is None else ("t" if v else "f") for v in values) + "}"
-    if isinstance(kind, Integer):
-        return "{" + ",".join("NULL" if v is None else str(int(v)) for v in values) + "}"
-    if isinstance(kind, Float):
-        return "{" + ",".join("NULL" if v is None else _FLOAT_WORDS.get(repr(float(v)), repr(float(v))) for v in values) + "}"
-    return None

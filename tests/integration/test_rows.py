@@ -176,8 +176,8 @@ def test_a_batch_of_results_and_an_admission_write_the_run_and_its_steps_without
 
 
 def test_integers_booleans_and_floats_are_written_exactly_with_nulls_and_non_finite_values(pg_ledger) -> None:  # type: ignore[no-untyped-def]
-    """`UPDATE ... FROM unnest` passes these columns as array literals it spells itself
-    (`rows._array_literal`): every value, NULL, NaN and the infinities must come back as set."""
+    """`UPDATE ... FROM unnest` passes each column as one array parameter: every value, NULL,
+    NaN and the infinities must come back as set."""
     import math
 
     d = Driver(pg_ledger, check=False)  # rows changed by hand, not by the ledger's rules
