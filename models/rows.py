@@ -164,7 +164,12 @@ class Read:
 
     @property
     def names(self) -> tuple[str, ...]:
-        return (*(self.cls.table.columns.keys() if self.cls is not None else ()), *self.extra)
+        return (*_column_keys(self.cls), *self.extra)
+
+
+@cache
+def _column_keys(cls: type[Row] | None) -> tuple[str, ...]:
+    return tuple(cls.table.columns.keys()) if cls is not None else ()
 
 
 @lru_cache(maxsize=8192)
