@@ -93,8 +93,7 @@ class RunState:
 
 def read_ledger(ledger: Ledger, recent_minutes: float) -> tuple[list[RunState], dict[tuple[int, str], int]]:
     """The exported runs and their rejected results by (run, reason), in one read transaction,
-    run once more if its connection had dropped (the pool does not ping a connection before
-    lending it: after a database restart the first use of each fails, models/db.py)."""
+    run once more if its connection dropped under it (a database restart mid-read)."""
     return ledger.transaction(lambda session: _read_ledger(session, recent_minutes), attempts=2, what="exporter read")
 
 

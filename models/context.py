@@ -262,16 +262,11 @@ class RunContext:
             raise LookupError(f"run {self.run.id} has no step {step}")
         return row
 
-    def find_step(self, step: int, *, lock: bool = False) -> StepRow | None:
-        """Step `step` of the run, or None if it has none. With `lock`, its row is read locked
-        (and the columns this transaction did not change refreshed): a trainer renews its lease
-        on a step without the run's lock."""
+    def find_step(self, step: int) -> StepRow | None:
+        """Step `step` of the run, or None if it has none."""
         row = self.rows.steps.get(step)
-        if row is None or lock:
-            statement = sql.steps(self.run.id, [step])
-            if lock:
-                statement = statement.with_for_update(key_share=True)
-            found = self.rows.load(StepRow, statement, refresh=lock)
+        if row is None:
+            found = self.rows.load(StepRow, sql.steps(self.run.id, [step]))
             row = found[0] if found else None
         return row
 

@@ -85,7 +85,7 @@ def make_engine(url: str, *, echo: bool = False, application_name: str | None = 
     options = str(parsed.query.get("options") or "")
     if "idle_in_transaction_session_timeout" not in options:
         connect_args["options"] = f"{options} -c idle_in_transaction_session_timeout={IDLE_IN_TRANSACTION_SECONDS}s".strip()
-    engine = create_engine(
+    return create_engine(
         parsed,
         echo=echo,
         # A ping on checkout (a round trip per transaction). Without it every write still
@@ -100,8 +100,6 @@ def make_engine(url: str, *, echo: bool = False, application_name: str | None = 
         pool_recycle=1800,
         connect_args=connect_args,
     )
-
-    return engine
 
 
 def _configure_sqlite(engine: Engine) -> None:

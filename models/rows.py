@@ -74,11 +74,6 @@ class RunRow(Row):
 class StepRow(Row):
     table = Step.__table__
 
-    @property
-    def target(self) -> int:
-        """The groups the step trains on: its slots less those shrunk away."""
-        return self.num_slots - self.shrunk
-
 
 class SlotRow(Row):
     table = Slot.__table__

@@ -5,12 +5,18 @@ The Driver's steps have 4 slots; before any group is seen the estimate of p is i
 
 from __future__ import annotations
 
+import pytest
+
 from refill.models.results import Outcome
-from tests.support.driver import SPREAD, Driver
+from tests.support.driver import FLAT, SPREAD, Driver
 
 
 def over_dispatch(lookahead: int, sigmas: float) -> dict:
     return {"async_rl": {"max_lookahead_versions": lookahead, "over_dispatch": {"enabled": True, "safety_sigmas": sigmas}}}
+
+
+class Rollback(Exception):
+    """Carries a look out of a transaction, rolling back what it changed."""
 
 
 def extras(d: Driver, step: int) -> list:
@@ -194,11 +200,6 @@ def test_a_batch_counts_what_it_has_not_written_as_a_write_would(ledger) -> None
         assert expected == counted(session, d.run_id) == (original[0] + 1, original[1] + 1)
         raise Rollback
 
-    class Rollback(Exception):
-        pass
-
-    import pytest
-
     with pytest.raises(Rollback):
         ledger.transaction(look)
 
@@ -208,8 +209,6 @@ def test_a_batch_that_dispatches_extras_writes_each_table_once(pg_ledger) -> Non
     sends another extra, and the batch's rows, its replacements and the extra go out together,
     one INSERT or UPDATE per table (it used to write the batch before counting, then the extra)."""
     from sqlalchemy import event
-
-    from tests.support.driver import FLAT
 
     d = Driver(pg_ledger, over_dispatch(lookahead=1, sigmas=0.0))
     d.admit()
