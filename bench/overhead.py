@@ -367,7 +367,8 @@ def _relay(session, claim_outbox, mark_sent, limit):  # type: ignore[no-untyped-
     from refill.models.context import utcnow
 
     now = utcnow()
-    sent = claim_outbox(session, claimer="bench-relay", now=now, limit=limit)
+    # As the fleet's relay (refill.tasks.relay): marked sent in this transaction, no claim first.
+    sent = claim_outbox(session, claimer="bench-relay", now=now, limit=limit, claim_seconds=None)
     mark_sent(session, sent, now)
     return sent
 

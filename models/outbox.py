@@ -1,8 +1,9 @@
 """The outbox relay's side of the ledger: claim unsent messages, build them, mark them sent.
 
 Rows are written in the same transaction as the decision that needs them (SPEC §2) and sent at
-least once: a relay that dies after publishing and before `mark_sent` makes the row
-claimable again when its claim expires, and the receivers ignore the repeat (a generate
+least once: a relay that dies after publishing and before `mark_sent` leaves the row unsent
+(the fleet's relay: its transaction rolls back; one that committed a claim first: when the
+claim expires), the row is sent again, and the receivers ignore the repeat (a generate
 message for an attempt that is no longer pending is skipped by the worker's lease handshake;
 a train_step for a trained step is a no-op).
 """
@@ -14,13 +15,13 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import delete, func, or_, select, text, update
+from sqlalchemy import case, delete, func, or_, select, text, update
 from sqlalchemy.orm import Session
 
 from refill.config import from_snapshot
 from refill.models.payload import GenerateMessage
 from refill.models.settings import LedgerSettings, cached_settings, settings_for
-from refill.models.sql import literal_in
+from refill.models.sql import ids_in, literal_in
 from refill.models.tables import (
     Attempt,
     AttemptState,
@@ -45,6 +46,9 @@ class Outgoing:
     #: reaper sends it again (the run's `infra.queue_timeout_seconds`); set by `claim_outbox`,
     #: read by `mark_sent`
     queue_timeout_seconds: float | None = None
+    #: who sends it, when `claim_outbox` wrote no claim for it (`claim_seconds=None`):
+    #: `mark_sent` records the sender and counts the send with the row's `sent_at`
+    sender: str | None = None
 
 
 def claim_outbox(
@@ -53,7 +57,7 @@ def claim_outbox(
     claimer: str,
     now: datetime,
     limit: int = 500,
-    claim_seconds: float = 30.0,
+    claim_seconds: float | None = 30.0,
     ids: list[int] | None = None,
     run_id: int | None = None,
     queued_per_share: int | None = None,
@@ -62,6 +66,13 @@ def claim_outbox(
 
     Rows whose message no longer makes sense (the attempt was cancelled, the run ended) are
     marked sent without a message, so the outbox drains.
+
+    The claim (`claimed_by`, `claimed_until`, `send_count`) is for a relay that publishes
+    outside this transaction: if it dies before `mark_sent`, the rows are claimable again when
+    the claim expires. A relay that marks the rows sent in this same transaction (the fleet's,
+    `refill.tasks.relay`) passes `claim_seconds=None`: its row locks already keep other relays
+    off the rows, a rollback frees them at once, and `mark_sent` writes the claim's columns with
+    `sent_at` (one UPDATE of the rows, not two).
 
     With `queued_per_share`, generate rows are metered: a run keeps at most
     `queued_per_share * run.share` attempts queued on the broker (sent, not yet taken by a
@@ -88,50 +99,35 @@ def claim_outbox(
         rows = _within_room(rows, queue_room(session, metered, queued_per_share) if metered else {})
     if not rows:
         return []
-    runs = _runs(session, {row.run_id for row in rows})
-    attempt_ids = [row.attempt_id for row in rows if row.attempt_id is not None]
-    attempts = {
-        found.id: found
-        for found in session.execute(
-            select(Attempt.id, Attempt.state, Attempt.min_weight_version, Prompt.text, Prompt.row)
-            .join(Prompt, Prompt.id == Attempt.prompt_id)
-            .where(literal_in(Attempt.id, attempt_ids))
-        ).all()
-    } if attempt_ids else {}
-    # The attempts to send, locked now and without waiting: `mark_sent` updates them, and a
-    # relay that waited there for an attempt a consumer's batch held, holding others the
-    # batch then wanted, deadlocked with it. A row whose attempt is busy stays unclaimed for
-    # a later pass (the batch is changing that attempt; the row may be moot by then).
-    sendable = [a.id for a in attempts.values() if a.state in (AttemptState.PENDING.value, AttemptState.QUEUED.value)]
-    busy: set[int] = set()
-    if sendable:
-        ids_column = Attempt.__table__.c.id
-        locked = session.scalars(
-            select(ids_column)
-            .where(literal_in(ids_column, sendable))
-            .order_by(ids_column)
-            .with_for_update(key_share=True, skip_locked=True)
-        ).all()
-        busy = set(sendable) - set(locked)
+    runs = _runs(session, rows)
+    attempts, busy = _sendable_attempts(session, [row.attempt_id for row in rows if row.attempt_id is not None])
     out: list[Outgoing] = []
     moot: list[int] = []
     for row in rows:
         status, settings = runs[row.run_id]
+        if row.attempt_id in busy and status == RunStatus.RUNNING.value:
+            continue
         body = _body(row, row.run_id, status, settings, attempts)
         if body is None:
             moot.append(row.id)
             continue
-        if row.attempt_id in busy:
-            continue
         out.append(
-            Outgoing(row.id, row.kind, QUEUE_OF[row.kind], row.run_id, body, settings.queue_timeout_seconds)
+            Outgoing(
+                row.id,
+                row.kind,
+                QUEUE_OF[row.kind],
+                row.run_id,
+                body,
+                settings.queue_timeout_seconds,
+                sender=claimer[:200] if claim_seconds is None else None,
+            )
         )
     if moot:
-        session.execute(update(table).where(literal_in(table.c.id, moot)).values(sent_at=now))
-    if out:
+        session.execute(update(table).where(ids_in(table.c.id, moot)).values(sent_at=now))
+    if out and claim_seconds is not None:
         session.execute(
             update(table)
-            .where(literal_in(table.c.id, [m.outbox_id for m in out]))
+            .where(ids_in(table.c.id, [m.outbox_id for m in out]))
             .values(
                 claimed_by=claimer[:200],
                 claimed_until=now + timedelta(seconds=claim_seconds),
@@ -141,24 +137,66 @@ def claim_outbox(
     return out
 
 
-def _runs(session: Session, run_ids: set[int]) -> dict[int, tuple[str, LedgerSettings]]:
-    """Each run's status and settings. Its config (kilobytes of JSON) is read only when this
-    process has not parsed it yet: a run's config never changes, and a relay pass needs the
-    settings of the same run or two every few tens of milliseconds."""
+def _runs(session: Session, rows: list[Any]) -> dict[int, tuple[str, LedgerSettings]]:
+    """Each run's status and settings, from the status and config hash `_due_rows` read with the
+    rows. Its config (kilobytes of JSON) is read only when this process has not parsed it yet:
+    a run's config never changes, and a relay pass needs the settings of the same run or two
+    every few tens of milliseconds."""
     table = Run.__table__
     found: dict[int, tuple[str, LedgerSettings]] = {}
-    for run_id, status, config_hash in session.execute(
-        select(table.c.id, table.c.status, table.c.config_hash).where(literal_in(table.c.id, run_ids))
-    ).all():
-        settings = cached_settings(run_id, config_hash)
+    for row in rows:
+        if row.run_id in found:
+            continue
+        settings = cached_settings(row.run_id, row.config_hash)
         if settings is None:
             settings = settings_for(
                 session.execute(
-                    select(table.c.id, table.c.config_hash, table.c.config).where(table.c.id == run_id)
+                    select(table.c.id, table.c.config_hash, table.c.config).where(table.c.id == row.run_id)
                 ).one()
             )
-        found[run_id] = (status, settings)
+        found[row.run_id] = (row.run_status, settings)
     return found
+
+
+def _sendable_attempts(session: Session, attempt_ids: list[int]) -> tuple[dict[int, Any], set[int]]:
+    """The attempts (with their prompts) whose messages may go out, locked now, and those busy.
+
+    Locked without waiting: `mark_sent` updates them, and a relay that waited there for an
+    attempt a consumer's batch held, holding others the batch then wanted, deadlocked with it.
+    An attempt that is pending or queued but locked by another transaction is busy: its row
+    stays unclaimed for a later pass (the batch is changing that attempt; the row may be moot
+    by then). Any other attempt's message is moot. The states of the attempts the locked read
+    did not return are read only when there are such (a cancellation, a busy row: rare)."""
+    if not attempt_ids:
+        return {}, set()
+    attempts_table = Attempt.__table__
+    sendable_states = (AttemptState.PENDING.value, AttemptState.QUEUED.value)
+    found = {
+        row.id: row
+        for row in session.execute(
+            select(
+                attempts_table.c.id,
+                attempts_table.c.min_weight_version,
+                Prompt.__table__.c.text,
+                Prompt.__table__.c.row,
+            )
+            .join(Prompt.__table__, Prompt.__table__.c.id == attempts_table.c.prompt_id)
+            .where(ids_in(attempts_table.c.id, attempt_ids), literal_in(attempts_table.c.state, sendable_states))
+            .order_by(attempts_table.c.id)
+            .with_for_update(key_share=True, skip_locked=True, of=attempts_table)
+        ).all()
+    }
+    others = [attempt for attempt in attempt_ids if attempt not in found]
+    busy: set[int] = set()
+    if others:
+        busy = set(
+            session.scalars(
+                select(attempts_table.c.id).where(
+                    ids_in(attempts_table.c.id, others), literal_in(attempts_table.c.state, sendable_states)
+                )
+            ).all()
+        )
+    return found, busy
 
 
 def _due_rows(
@@ -170,9 +208,20 @@ def _due_rows(
     run_id: int | None = None,
     kind: str | None = None,
 ) -> list[Any]:
-    table = Outbox.__table__
+    table, runs = Outbox.__table__, Run.__table__
     query = (
-        select(table.c.id, table.c.run_id, table.c.kind, table.c.attempt_id, table.c.payload)
+        select(
+            table.c.id,
+            table.c.run_id,
+            table.c.kind,
+            table.c.attempt_id,
+            # A generate row's payload is `{}` (its message is built from its attempt): parsing
+            # it was a JSON decode per message.
+            case((table.c.kind == OutboxKind.TRAIN_STEP.value, table.c.payload)).label("payload"),
+            runs.c.status.label("run_status"),
+            runs.c.config_hash,
+        )
+        .join(runs, runs.c.id == table.c.run_id)
         .where(
             table.c.sent_at.is_(None),
             table.c.available_at <= now,
@@ -180,10 +229,10 @@ def _due_rows(
         )
         .order_by(table.c.id)
         .limit(limit)
-        .with_for_update(skip_locked=True)
+        .with_for_update(skip_locked=True, of=table)
     )
     if ids is not None:
-        query = query.where(literal_in(table.c.id, ids))
+        query = query.where(ids_in(table.c.id, ids))
     if run_id is not None:
         query = query.where(table.c.run_id == run_id)
     if kind is not None:
@@ -234,7 +283,7 @@ def queue_room(session: Session, run_ids: Iterable[int], queued_per_share: int) 
     wanted = sorted(set(run_ids))
     if not wanted:
         return {}
-    status = dict(session.execute(select(Run.id, Run.status).where(literal_in(Run.id, wanted))).all())
+    status = dict(session.execute(select(Run.id, Run.status).where(ids_in(Run.id, wanted))).all())
     # A run that is not running sends nothing: its rows are drained as moot, without room.
     room = {run: UNMETERED for run in wanted if status.get(run) != RunStatus.RUNNING.value}
     metered = [run for run in wanted if run not in room]
@@ -273,13 +322,13 @@ _SHARES_KEPT = 4096
 def run_shares(session: Session, run_ids: Iterable[int]) -> dict[int, float]:
     """Each run's `run.share`, read from its stored config once per process."""
     wanted = list(run_ids)
-    hashes = dict(session.execute(select(Run.id, Run.config_hash).where(literal_in(Run.id, wanted))).all())
+    hashes = dict(session.execute(select(Run.id, Run.config_hash).where(ids_in(Run.id, wanted))).all())
     missing = [run for run in wanted if (run, hashes.get(run)) not in _shares]
     if missing:
         if len(_shares) > _SHARES_KEPT:
             _shares.clear()
         for run, config_hash, config in session.execute(
-            select(Run.id, Run.config_hash, Run.config).where(literal_in(Run.id, missing))
+            select(Run.id, Run.config_hash, Run.config).where(ids_in(Run.id, missing))
         ).all():
             _shares[(run, config_hash)] = from_snapshot(config, source=f"run {run}'s stored config").run.share
     return {run: _shares[(run, hashes[run])] for run in wanted if run in hashes}
@@ -317,9 +366,7 @@ def _body(
     if row.kind == OutboxKind.TRAIN_STEP.value:
         return dict(row.payload)
     found = attempts.get(row.attempt_id or -1)
-    if found is None:
-        return None
-    if found.state not in (AttemptState.PENDING.value, AttemptState.QUEUED.value):
+    if found is None:  # neither pending nor queued any more
         return None
     return GenerateMessage(
         run_id=run_id,
@@ -340,7 +387,19 @@ def mark_sent(session: Session, sent: list[Outgoing], now: datetime) -> None:
     if not sent:
         return
     table = Outbox.__table__
-    session.execute(update(table).where(literal_in(table.c.id, [m.outbox_id for m in sent])).values(sent_at=now))
+    claimed = [m.outbox_id for m in sent if m.sender is None]
+    if claimed:
+        session.execute(update(table).where(ids_in(table.c.id, claimed)).values(sent_at=now))
+    by_sender: dict[str, list[int]] = {}
+    for message in sent:
+        if message.sender is not None:
+            by_sender.setdefault(message.sender, []).append(message.outbox_id)
+    for sender, outbox_ids in by_sender.items():
+        session.execute(
+            update(table)
+            .where(ids_in(table.c.id, outbox_ids))
+            .values(sent_at=now, claimed_by=sender, send_count=table.c.send_count + 1)
+        )
     by_timeout: dict[float, list[int]] = {}
     for message in sent:
         if message.kind == OutboxKind.GENERATE.value:
@@ -357,6 +416,6 @@ def mark_sent(session: Session, sent: list[Outgoing], now: datetime) -> None:
         # `claim_outbox` locked their rows in this transaction (the relay's way): no wait here.
         session.execute(
             update(attempts)
-            .where(literal_in(attempts.c.id, attempt_ids), attempts.c.state == AttemptState.PENDING.value)
+            .where(ids_in(attempts.c.id, attempt_ids), attempts.c.state == AttemptState.PENDING.value)
             .values(state=AttemptState.QUEUED.value, dispatched_at=now, leased_until=now + timeout)
         )

@@ -8,10 +8,15 @@ trip (`RunContext.read_ahead`)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from sqlalchemy import and_, bindparam, func, or_, select
+from sqlalchemy import BigInteger, Boolean, Integer, String, and_, bindparam, func, or_, select
+from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql import ColumnElement, Select
+from sqlalchemy.sql.visitors import InternalTraversal
+from sqlalchemy.types import TypeDecorator
 
 from refill.models.tables import (
     Attempt,
@@ -44,8 +49,78 @@ _LIVE = tuple(s.value for s in AttemptState.live())
 def literal_in(column, values):  # type: ignore[no-untyped-def]
     """`column IN (...)` with the values (integers, or tuples of them) written into the SQL
     rather than bound one parameter each: psycopg parses a statement with more than 50
-    parameters again on every execution (no cache), which costs more than the query."""
+    parameters again on every execution (no cache), which costs more than the query.
+
+    Written out, the statement's text differs with every list, so psycopg never prepares it
+    and PostgreSQL plans each execution with the values: the per-batch reads need that (a
+    plan made once for any list, on a run's statistics from before its rows were written,
+    read a whole step's slots to find a batch's few). Also for the values a partial index's
+    predicate names (`state IN ('pending', ...)`). See `ids_in` for lists found by a key."""
     return column.in_(bindparam(None, list(values), expanding=True, literal_execute=True))
+
+
+class _IdList(TypeDecorator[list[int]]):
+    """A list of integers bound as one parameter: an array of the column's own type on
+    PostgreSQL, a JSON array on SQLite (read back there by `json_each`).
+
+    The column's own type, not always `bigint[]`: `integer_column = ANY(bigint[])` is a
+    cross-type comparison, which PostgreSQL neither uses as an index condition (it read a whole
+    step's slots and filtered them) nor hashes (admission's 8,192 positions were compared one
+    by one against each prompt row: half a second)."""
+
+    impl = String
+    cache_ok = True
+
+    def __init__(self, big: bool) -> None:
+        super().__init__()
+        self.big = big
+
+    def load_dialect_impl(self, dialect):  # type: ignore[no-untyped-def]
+        if dialect.name == "postgresql":
+            return dialect.type_descriptor(ARRAY(BigInteger if self.big else Integer))
+        return dialect.type_descriptor(String())
+
+    def process_bind_param(self, value, dialect):  # type: ignore[no-untyped-def]
+        return list(value) if dialect.name == "postgresql" else json.dumps(list(value))
+
+
+class _IdsIn(ColumnElement[bool]):
+    """`column` is one of a list of integers, the list bound as one parameter (see `ids_in`)."""
+
+    __visit_name__ = "refill_ids_in"
+    type = Boolean()
+    _is_implicitly_boolean = True  # a comparison: not `(... IN ...) = 1` on SQLite
+    inherit_cache = True
+    _traverse_internals = [
+        ("column", InternalTraversal.dp_clauseelement),
+        ("ids", InternalTraversal.dp_clauseelement),
+    ]
+
+    def __init__(self, column, ids) -> None:  # type: ignore[no-untyped-def]
+        self.column = column
+        self.ids = ids
+
+
+@compiles(_IdsIn, "postgresql")
+def _ids_in_postgresql(element, compiler, **kw):  # type: ignore[no-untyped-def]
+    return f"{compiler.process(element.column, **kw)} = ANY({compiler.process(element.ids, **kw)})"
+
+
+@compiles(_IdsIn)
+def _ids_in_json(element, compiler, **kw):  # type: ignore[no-untyped-def]
+    return f"{compiler.process(element.column, **kw)} IN (SELECT value FROM json_each({compiler.process(element.ids, **kw)}))"
+
+
+def ids_in(column, ids):  # type: ignore[no-untyped-def]
+    """`column IN ids` for a list of integer ids, the list bound as one array parameter (`=
+    ANY(...)`; a JSON array on SQLite). The statement's text is then the same for every list,
+    so psycopg prepares it (from its fifth execution on a connection) and PostgreSQL parses it
+    once rather than on every execution, and
+    nothing renders the ids into SQL text (with the ids written out, both happened per call:
+    a relay pass's id lists cost more to render and parse than to look up). Bound one by one
+    instead, psycopg parses a statement of more than 50 parameters again on every execution
+    (no cache)."""
+    return _IdsIn(column, bindparam(None, list(ids), type_=_IdList(isinstance(column.type, BigInteger))))
 
 
 def slot_keys_in(step_column, idx_column, keys):  # type: ignore[no-untyped-def]

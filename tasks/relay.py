@@ -125,8 +125,17 @@ def relay(
         # Due times are the ledger's, not this machine's: its now(), written into the statements
         # (`ledger_now_in`) rather than read first, a round trip per pass.
         now = ledger_now_in(session)
+        # No claim of its own (`claim_seconds=None`): this transaction marks the rows sent, and
+        # until it ends its row locks keep other relays off them.
         messages = claim_outbox(
-            session, claimer=claimer, now=now, limit=limit, ids=ids, run_id=run_id, queued_per_share=window
+            session,
+            claimer=claimer,
+            now=now,
+            limit=limit,
+            ids=ids,
+            run_id=run_id,
+            queued_per_share=window,
+            claim_seconds=None,
         )
         sent = publish(app, messages)
         mark_sent(session, messages, now)

@@ -205,3 +205,35 @@ def test_integers_booleans_and_floats_are_written_exactly_with_nulls_and_non_fin
         assert same(row.reward_mean, means[2 * n]) and same(row.reward_min, means[2 * n + 1]), (n, row.reward_mean, row.reward_min)
         assert row.zero_variance is (True, False, None, True)[n]
         assert row.num_tokens == (2**31 - 1, 0, None, -7)[n]
+
+
+def test_a_list_of_ids_is_one_parameter_and_the_statement_the_same_for_every_list(ledger) -> None:  # type: ignore[no-untyped-def]
+    """`sql.ids_in`: the ids bound as one array (a JSON array on SQLite), so PostgreSQL sees
+    one statement text whatever the list's length, and psycopg prepares it."""
+    from refill.models.sql import ids_in
+
+    d = Driver(ledger, check=False)
+    d.admit()
+    table = Attempt.__table__
+    ids = sorted(a.id for a in d.live())
+    seen: list[tuple[str, object]] = []
+
+    def record(conn, cursor, statement, parameters, context, executemany):  # type: ignore[no-untyped-def]
+        seen.append((statement, parameters))
+
+    lists = [ids[:1], ids, [], [ids[2], ids[2], ids[0], 10**12]]
+    event.listen(ledger.engine, "before_cursor_execute", record)
+    try:
+        with ledger.session() as session:
+            found = [
+                session.scalars(select(table.c.id).where(ids_in(table.c.id, wanted)).order_by(table.c.id)).all()
+                for wanted in lists
+            ]
+    finally:
+        event.remove(ledger.engine, "before_cursor_execute", record)
+    assert found == [ids[:1], ids, [], [ids[0], ids[2]]]
+    reads = [(statement, parameters) for statement, parameters in seen if statement.lstrip().upper().startswith("SELECT")]
+    assert len({statement for statement, _ in reads}) == 1, reads
+    assert all(len(parameters) == 1 for _, parameters in reads), reads
+    if ledger.engine.dialect.name == "postgresql":
+        assert "= ANY(" in reads[0][0]

@@ -282,3 +282,57 @@ def test_a_relay_pass_and_a_trainer_heartbeat_write_the_ledger_clock_without_rea
     # Queued on the ledger's clock: leased for the queue time-out from when they were sent.
     assert queued and all(a.state == "queued" and a.leased_until > a.dispatched_at for a in queued)
     assert all(row.sent_at == queued[0].dispatched_at for row in d.outbox("generate"))
+
+
+def test_a_relay_pass_locks_and_reads_its_attempts_together_and_writes_each_outbox_row_once(ledger) -> None:  # type: ignore[no-untyped-def]
+    """The fleet's relay marks its rows sent in the transaction that found them: no claim is
+    written first (its row locks keep other relays off until it ends), the runs come with the
+    due rows, and the sendable attempts are locked by the read that fetches their prompts."""
+    from sqlalchemy import event
+
+    from refill.models.outbox import claim_outbox, mark_sent
+
+    d = Driver(ledger)
+    d.admit()
+    d.relay(ids=[d.outbox("generate")[0].id])  # the run's settings parsed: the pass below is a steady one
+    statements: list[str] = []
+
+    def record(conn, cursor, statement, *args):  # type: ignore[no-untyped-def]
+        spelled = " ".join(statement.split()).lower()
+        if spelled.startswith(("select", "update", "insert", "delete")):  # not SQLite's BEGIN
+            statements.append(spelled)
+
+    class Looked(Exception):
+        pass
+
+    def rolled_back(session):  # type: ignore[no-untyped-def]
+        out = claim_outbox(session, claimer="relay-a", now=d.now, claim_seconds=None)
+        raise Looked(len(out))
+
+    try:
+        ledger.transaction(rolled_back)
+    except Looked as looked:
+        assert looked.args[0] == 7
+    # Nothing was written for a pass that did not commit: the rows are due again at once.
+    assert all(r.claimed_by is None and r.send_count == 0 for r in d.outbox("generate") if r.sent_at is None)
+    event.listen(ledger.engine, "before_cursor_execute", record)
+    try:
+
+        def go(session):  # type: ignore[no-untyped-def]
+            out = claim_outbox(session, claimer="relay-b", now=d.now, claim_seconds=None)
+            mark_sent(session, out, d.now)
+            return out
+
+        sent = ledger.transaction(go)
+    finally:
+        event.remove(ledger.engine, "before_cursor_execute", record)
+    assert len(sent) == 7
+    writes = [s for s in statements if s.startswith("update outbox")]
+    assert len(writes) == 1, statements
+    assert len([s for s in statements if "from attempts" in s]) == 1, statements
+    assert not [s for s in statements if s.startswith("select runs.")], statements
+    assert len(statements) == 4, statements  # due rows, attempts, outbox, attempts queued
+    sent_ids = {m.outbox_id for m in sent}
+    rows = [r for r in d.outbox("generate") if r.id in sent_ids]
+    assert rows and all(r.sent_at == d.now and r.claimed_by == "relay-b" and r.send_count == 1 for r in rows)
+    assert all(d.attempt(m.body["attempt_id"]).state == "queued" for m in sent)
