@@ -10,7 +10,7 @@ a train_step for a trained step is a no-op).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -96,7 +96,8 @@ def claim_outbox(
     else:
         rows = _due_rows(session, now, limit, ids=ids)
         metered = {row.run_id for row in rows if row.kind == OutboxKind.GENERATE.value}
-        rows = _within_room(rows, queue_room(session, metered, queued_per_share) if metered else {})
+        known = {row.run_id: (row.run_status, row.config_hash) for row in rows}
+        rows = _within_room(rows, queue_room(session, metered, queued_per_share, known=known) if metered else {})
     if not rows:
         return []
     runs = _runs(session, rows)
@@ -267,8 +268,15 @@ def queued_window(share: float, queued_per_share: int) -> int:
     return max(1, round(share * queued_per_share))
 
 
-def queue_room(session: Session, run_ids: Iterable[int], queued_per_share: int) -> dict[int, int]:
-    """How many more attempts each run may have queued on the broker now.
+def queue_room(
+    session: Session,
+    run_ids: Iterable[int],
+    queued_per_share: int,
+    *,
+    known: Mapping[int, tuple[str, str]] | None = None,
+) -> dict[int, int]:
+    """How many more attempts each run may have queued on the broker now. `known`: runs'
+    (status, config hash) already read (with the due rows); the others are read here.
 
     Why this gives each run its share of the workers without a scheduler: the broker's queue is
     FIFO and holds about `queued_window` attempts of each run that has work; each time a worker
@@ -283,34 +291,48 @@ def queue_room(session: Session, run_ids: Iterable[int], queued_per_share: int) 
     wanted = sorted(set(run_ids))
     if not wanted:
         return {}
-    status = dict(session.execute(select(Run.id, Run.status).where(ids_in(Run.id, wanted))).all())
+    runs = dict(known or {})
+    missing = [run for run in wanted if run not in runs]
+    if missing:
+        table = Run.__table__
+        runs.update(
+            (run, (status, config_hash))
+            for run, status, config_hash in session.execute(
+                select(table.c.id, table.c.status, table.c.config_hash).where(ids_in(table.c.id, missing))
+            ).all()
+        )
     # A run that is not running sends nothing: its rows are drained as moot, without room.
-    room = {run: UNMETERED for run in wanted if status.get(run) != RunStatus.RUNNING.value}
+    room = {run: UNMETERED for run in wanted if runs.get(run, ("", ""))[0] != RunStatus.RUNNING.value}
     metered = [run for run in wanted if run not in room]
-    if metered and session.get_bind().dialect.name == "postgresql":
-        locked = [
-            run
-            for run in metered
-            if session.execute(
-                text("SELECT pg_try_advisory_xact_lock(:key, :run)"), {"key": _METER_LOCK, "run": run}
-            ).scalar()
-        ]
-        room.update((run, 0) for run in metered if run not in locked)
-        metered = locked
     if not metered:
         return room
-    shares = run_shares(session, metered)
-    queued = dict(
-        session.execute(
-            select(Attempt.run_id, func.count())
-            .where(literal_in(Attempt.run_id, metered), Attempt.state == AttemptState.QUEUED.value)
-            .group_by(Attempt.run_id)
-        ).all()
-    )
-    room.update(
-        (run, queued_window(shares[run], queued_per_share) - int(queued.get(run, 0))) for run in metered
-    )
+    shares = run_shares(session, metered, hashes={run: runs[run][1] for run in metered})
+    for run, (locked, queued) in _queued_if_locked(session, metered).items():
+        room[run] = queued_window(shares[run], queued_per_share) - queued if locked else 0
     return room
+
+
+def _queued_if_locked(session: Session, run_ids: list[int]) -> dict[int, tuple[bool, int]]:
+    """Each run's attempts queued on the broker, and whether this transaction holds the run's
+    metering lock (taken here, without waiting; PostgreSQL only): one statement for both."""
+    if session.get_bind().dialect.name != "postgresql":
+        queued = dict(
+            session.execute(
+                select(Attempt.run_id, func.count())
+                .where(literal_in(Attempt.run_id, run_ids), Attempt.state == AttemptState.QUEUED.value)
+                .group_by(Attempt.run_id)
+            ).all()
+        )
+        return {run: (True, int(queued.get(run, 0))) for run in run_ids}
+    found = session.execute(
+        text(
+            "SELECT r.id, pg_try_advisory_xact_lock(:key, r.id), "
+            "(SELECT count(*) FROM attempts a WHERE a.run_id = r.id AND a.state = 'queued') "
+            "FROM unnest(CAST(:runs AS integer[])) AS r(id) ORDER BY r.id"
+        ),
+        {"key": _METER_LOCK, "runs": run_ids},
+    ).all()
+    return {run: (bool(locked), int(queued)) for run, locked, queued in found}
 
 
 #: (run id, config hash) -> run.share; a run's config never changes. Bounded: a process that
@@ -319,10 +341,12 @@ _shares: dict[tuple[int, str], float] = {}
 _SHARES_KEPT = 4096
 
 
-def run_shares(session: Session, run_ids: Iterable[int]) -> dict[int, float]:
-    """Each run's `run.share`, read from its stored config once per process."""
+def run_shares(session: Session, run_ids: Iterable[int], *, hashes: Mapping[int, str] | None = None) -> dict[int, float]:
+    """Each run's `run.share`, read from its stored config once per process. `hashes`: the
+    runs' config hashes, when the caller has read them."""
     wanted = list(run_ids)
-    hashes = dict(session.execute(select(Run.id, Run.config_hash).where(ids_in(Run.id, wanted))).all())
+    if hashes is None:
+        hashes = dict(session.execute(select(Run.id, Run.config_hash).where(ids_in(Run.id, wanted))).all())
     missing = [run for run in wanted if (run, hashes.get(run)) not in _shares]
     if missing:
         if len(_shares) > _SHARES_KEPT:

@@ -200,3 +200,52 @@ def test_a_run_whose_stored_config_no_longer_validates_is_still_listed(ledger) -
     with read_snapshot(ledger) as session:
         (row,) = [r for r in list_runs(session) if r["run_id"] == d.run_id]
     assert row["share"] is None and row["status"] == "running"
+
+
+def test_a_metered_pass_reads_its_runs_with_its_rows_and_locks_and_counts_in_one_statement(ledger) -> None:  # type: ignore[no-untyped-def]
+    """The consumer's relay pass (its batch's rows, metered): the runs' status and config hash
+    come with the due rows, and on PostgreSQL the metering locks and the queued counts are one
+    statement; no claim is written before the rows are marked sent."""
+    from sqlalchemy import event
+
+    a, _ = two_runs(ledger)
+    unsent = [row.id for row in a.outbox("generate") if row.sent_at is None]
+    assert by_run(metered(a, 3, ids=unsent[:1])) == {a.run_id: 1}  # the run's settings parsed
+    statements: list[str] = []
+
+    def record(conn, cursor, statement, *args):  # type: ignore[no-untyped-def]
+        spelled = " ".join(statement.split()).lower()
+        if spelled.startswith(("select", "update", "insert", "delete")):
+            statements.append(spelled)
+
+    def go(session):  # type: ignore[no-untyped-def]
+        sent = claim_outbox(session, claimer="consumer", now=a.now, ids=unsent[1:], queued_per_share=3, claim_seconds=None)
+        mark_sent(session, sent, a.now)
+        return sent
+
+    event.listen(ledger.engine, "before_cursor_execute", record)
+    try:
+        sent = a.ledger.transaction(go)
+    finally:
+        event.remove(ledger.engine, "before_cursor_execute", record)
+    assert by_run(sent) == {a.run_id: 5}  # the window of 6, less the one sent before
+    assert not [s for s in statements if s.startswith("select runs.")], statements
+    assert len(statements) == 5, statements  # due rows, room, attempts, outbox, attempts queued
+    rows = [row for row in a.outbox("generate") if row.id in {m.outbox_id for m in sent}]
+    assert rows and all(row.claimed_by == "consumer" and row.send_count == 1 and row.sent_at == a.now for row in rows)
+
+
+def test_a_run_another_relay_is_metering_gets_no_room_this_pass(pg_ledger) -> None:  # type: ignore[no-untyped-def]
+    from sqlalchemy import text
+
+    from refill.models.outbox import _METER_LOCK
+
+    a, b = two_runs(pg_ledger)
+    with pg_ledger.engine.connect() as other:
+        holding = other.begin()
+        assert other.execute(text("SELECT pg_try_advisory_xact_lock(:k, :r)"), {"k": _METER_LOCK, "r": a.run_id}).scalar()
+        with pg_ledger.session() as session:
+            assert queue_room(session, [a.run_id, b.run_id], 3) == {a.run_id: 0, b.run_id: 3}
+        assert by_run(metered(a, 3)) == {b.run_id: 3}  # A's rows wait for the other relay
+        holding.rollback()
+    assert by_run(metered(a, 3)) == {a.run_id: 6}
