@@ -297,10 +297,13 @@ class VirtualFleet:
     # --- roles ---------------------------------------------------------------------------
 
     def relay(self) -> None:
-        """The outbox relay: claim every due row, mark it sent, deliver it."""
+        """The outbox relay: every due row, marked sent in the transaction that read it (as the
+        fleet's relay does: no claim written first), then delivered."""
 
         def go(session: Session) -> list:
-            sent = claim_outbox(session, claimer="bench-relay", now=self.at(), limit=100_000, run_id=self.run_id)
+            sent = claim_outbox(
+                session, claimer="bench-relay", now=self.at(), limit=100_000, run_id=self.run_id, claim_seconds=None
+            )
             mark_sent(session, sent, self.at())
             return sent
 
