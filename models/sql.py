@@ -112,14 +112,16 @@ def _ids_in_json(element, compiler, **kw):  # type: ignore[no-untyped-def]
 
 
 def ids_in(column, ids):  # type: ignore[no-untyped-def]
-    """`column IN ids` for a list of integer ids, the list bound as one array parameter (`=
-    ANY(...)`; a JSON array on SQLite). The statement's text is then the same for every list,
-    so psycopg prepares it (from its fifth execution on a connection) and PostgreSQL parses it
-    once rather than on every execution, and
-    nothing renders the ids into SQL text (with the ids written out, both happened per call:
-    a relay pass's id lists cost more to render and parse than to look up). Bound one by one
-    instead, psycopg parses a statement of more than 50 parameters again on every execution
-    (no cache)."""
+    """`column IN ids` for a list of integer ids matched against the table's own key, the
+    list bound as one array parameter (`= ANY(...)`; a JSON array on SQLite). Nothing renders
+    the ids into SQL text, and the text is the same for every list, so psycopg prepares it
+    (from its fifth execution on a connection) and PostgreSQL parses it once: a relay pass's id
+    lists (hundreds of rows) cost more to render and parse than to look up.
+
+    Only for lists found by a primary key (the relay's outbox rows, attempts and runs), which
+    any plan serves by that key. A prepared statement is planned once for any values after a
+    few runs; a read whose plan depends on the list's length and on a run's fresh statistics
+    keeps `literal_in` (under such a plan a batch's read of its slots scanned the whole step)."""
     return _IdsIn(column, bindparam(None, list(ids), type_=_IdList(isinstance(column.type, BigInteger))))
 
 
