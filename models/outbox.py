@@ -170,18 +170,13 @@ def _sendable_attempts(session: Session, attempt_ids: list[int]) -> tuple[dict[i
     did not return are read only when there are such (a cancellation, a busy row: rare)."""
     if not attempt_ids:
         return {}, set()
-    attempts_table = Attempt.__table__
+    attempts_table, prompts = Attempt.__table__, Prompt.__table__
     sendable_states = (AttemptState.PENDING.value, AttemptState.QUEUED.value)
     found = {
         row.id: row
         for row in session.execute(
-            select(
-                attempts_table.c.id,
-                attempts_table.c.min_weight_version,
-                Prompt.__table__.c.text,
-                Prompt.__table__.c.row,
-            )
-            .join(Prompt.__table__, Prompt.__table__.c.id == attempts_table.c.prompt_id)
+            select(attempts_table.c.id, attempts_table.c.min_weight_version, prompts.c.text, prompts.c.row)
+            .join(prompts, prompts.c.id == attempts_table.c.prompt_id)
             .where(ids_in(attempts_table.c.id, attempt_ids), literal_in(attempts_table.c.state, sendable_states))
             .order_by(attempts_table.c.id)
             .with_for_update(key_share=True, skip_locked=True, of=attempts_table)
@@ -411,19 +406,15 @@ def mark_sent(session: Session, sent: list[Outgoing], now: datetime) -> None:
     if not sent:
         return
     table = Outbox.__table__
-    claimed = [m.outbox_id for m in sent if m.sender is None]
-    if claimed:
-        session.execute(update(table).where(ids_in(table.c.id, claimed)).values(sent_at=now))
-    by_sender: dict[str, list[int]] = {}
+    # Rows claimed earlier (sender None) only become sent; the others count their send here.
+    by_sender: dict[str | None, list[int]] = {}
     for message in sent:
-        if message.sender is not None:
-            by_sender.setdefault(message.sender, []).append(message.outbox_id)
+        by_sender.setdefault(message.sender, []).append(message.outbox_id)
     for sender, outbox_ids in by_sender.items():
-        session.execute(
-            update(table)
-            .where(ids_in(table.c.id, outbox_ids))
-            .values(sent_at=now, claimed_by=sender, send_count=table.c.send_count + 1)
-        )
+        marked = update(table).where(ids_in(table.c.id, outbox_ids)).values(sent_at=now)
+        if sender is not None:
+            marked = marked.values(claimed_by=sender, send_count=table.c.send_count + 1)
+        session.execute(marked)
     by_timeout: dict[float, list[int]] = {}
     for message in sent:
         if message.kind == OutboxKind.GENERATE.value:
