@@ -10,8 +10,8 @@ write with nothing to say is the controller's cost, not the floor's.
 
 `replay` writes those changes into a scratch database with the same schema (the same
 migrations, so the same indexes and constraints), one transaction for each of the step's, in
-the step's order: deletes, then per table (parents first) one Core `insert(table)` of a list
-of dicts (as the ledger inserts: one executemany, which psycopg pipelines), then per table
+the step's order: deletes, then per table (parents first) its new rows in one statement, as
+the ledger inserts them (`refill.models.rows.insert_rows`: a COPY), then per table
 and set of changed columns one `UPDATE ... FROM unnest(...)` with one array parameter per
 column. The setup, the workers'
 lease handshakes and the trainer's claim are replayed too (so every row is as the step found
@@ -27,10 +27,10 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import JSON, Engine, Table, bindparam, delete, func, insert, select, text, tuple_
-from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy import JSON, Engine, Table, bindparam, delete, func, null, select, text, tuple_
 
 from bench.machine import process_cpu
+from refill.models.rows import insert_rows
 
 
 @dataclass
@@ -193,7 +193,7 @@ def _write(conn: Any, tables: list[Table], change: Change) -> int:
     for table in tables:
         rows = change.inserts.get(table.name)
         if rows:
-            conn.execute(_insert(table), rows)
+            insert_rows(conn, table, _json_nulls(table, rows))
             statements += 1
     for table in tables:
         for columns, rows in sorted(change.updates.get(table.name, {}).items()):
@@ -202,14 +202,12 @@ def _write(conn: Any, tables: list[Table], change: Change) -> int:
     return statements
 
 
-def _insert(table: Table) -> Any:
-    """`insert(table)`, where None in a JSON column is SQL NULL (as it was read), not JSON null."""
-    nulls = {
-        c.name: bindparam(c.name, type_=JSONB(none_as_null=True))
-        for c in table.columns
-        if isinstance(c.type, JSON)
-    }
-    return insert(table).values(nulls) if nulls else insert(table)
+def _json_nulls(table: Table, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`rows` where None in a JSON column is SQL NULL (as it was read), not JSON null."""
+    columns = [c.name for c in table.columns if isinstance(c.type, JSON)]
+    if not columns:
+        return rows
+    return [{**row, **{c: null() for c in columns if row.get(c) is None}} for row in rows]
 
 
 def _update(conn: Any, table: Table, columns: list[str], rows: list[dict[str, Any]]) -> None:

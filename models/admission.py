@@ -6,14 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from sqlalchemy import insert
 from sqlalchemy.orm import Session
 
 from refill.models import decisions
 from refill.models.context import RunContext
 from refill.models.dataloader import add_to_pool, draw, refill_spare_pool
 from refill.models.overdispatch import top_up
-from refill.models.rows import StepRow
+from refill.models.rows import StepRow, insert_rows
 from refill.models.slots import attempt_values, generate_outbox_values
 from refill.models.tables import Attempt, AttemptReason, Outbox, Slot, SlotStatus, StepStatus
 
@@ -86,8 +85,9 @@ def open_step(ctx: RunContext, step: int, prompt_ids: list[int]) -> StepRow:
     ctx.steps_changed = True
     # The step must be in the database before its slots.
     ctx.flush()
-    ctx.session.execute(
-        insert(Slot.__table__),
+    insert_rows(
+        ctx.session,
+        Slot.__table__,
         [
             {
                 "run_id": run_id,

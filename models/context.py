@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import insert, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from refill.models import sql
@@ -45,6 +45,7 @@ from refill.models.rows import (
     SlotRow,
     SpareRow,
     StepRow,
+    insert_rows,
 )
 from refill.models.samplers import GroupView, Sampler
 from refill.models.settings import LedgerSettings, settings_for
@@ -335,7 +336,7 @@ class RunContext:
         this transaction are loaded back, by `next_spare`."""
         if not rows:
             return
-        self.session.execute(insert(SparePrompt.__table__), rows)
+        insert_rows(self.session, SparePrompt.__table__, rows)
         self.run.spare_prompts_available = self.spare_count + len(rows)
         # Their ids are above every spare loaded so far: the next load finds them.
         self._spares_db_done = False

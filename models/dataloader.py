@@ -18,12 +18,12 @@ from __future__ import annotations
 from functools import lru_cache
 
 import numpy as np
-from sqlalchemy import func, insert, select
+from sqlalchemy import func, select
 
 from refill.models import decisions, skipping
 from refill.models.context import RunContext
 from refill.models.decisions import spare_refill_needed
-from refill.models.rows import AttemptRow, SpareRow
+from refill.models.rows import AttemptRow, SpareRow, insert_rows
 from refill.models.sql import literal_in
 from refill.models.tables import Prompt, PromptDraw, Step, StepStatus
 
@@ -127,7 +127,7 @@ def _draw_skipping(ctx: RunContext, count: int, step: int | None) -> list[int]:
                     break
         _advance(ctx, used)
     if rows:
-        ctx.session.execute(insert(PromptDraw.__table__), rows)
+        insert_rows(ctx.session, PromptDraw.__table__, rows)
     return kept
 
 

@@ -6,8 +6,8 @@ Without one it inserts them with `RETURNING id`, which SQLAlchemy sends as a few
 multi-row `INSERT ... VALUES (...), (...)` statements; psycopg parses a statement of that size
 anew on every execution (its cache stops at 4 KB), and that parsing was a third of admitting a
 4096-group step (`python -m bench overhead --profile admission`). With the ids known up front
-the unit of work sends one short statement for all the rows (`executemany`, pipelined by
-psycopg, parsed once).
+the unit of work sends all the rows in one short statement (`rows.insert_rows`: a COPY on
+PostgreSQL).
 
 A block is drawn with one query, and the next one is twice as large (up to `MAX_BLOCK`), so a
 transaction that creates a handful of rows one at a time asks once, and one that creates
@@ -30,6 +30,8 @@ from typing import Any
 
 from sqlalchemy import Table, func, insert, select, text
 from sqlalchemy.orm import Session
+
+from refill.models.rows import insert_rows
 
 FIRST_BLOCK = 16
 MAX_BLOCK = 1024
@@ -131,7 +133,7 @@ class IdBlocks:
             ids = taken + (self._draw(table.name, len(rows) - len(taken)) if len(rows) > len(taken) else [])
             for row, new_id in zip(rows, ids, strict=True):
                 row["id"] = new_id
-            self.session.execute(insert(table), rows)
+            insert_rows(self.session, table, rows)
             return ids
         returned = self.session.execute(insert(table).returning(table.c.id, sort_by_parameter_order=True), rows)
         return [int(i) for i in returned.scalars()]

@@ -7,12 +7,12 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import exists, func, insert, select
+from sqlalchemy import exists, func, select
 from sqlalchemy.orm import Session
 
 from refill.models.barrier import queue_training
 from refill.models.context import SLOT_COLUMNS, RunContext, utcnow
-from refill.models.rows import RunRow, SlotRow
+from refill.models.rows import RunRow, SlotRow, insert_rows
 from refill.models.settings import LedgerSettings
 from refill.models.slots import LIVE, cancel_live_attempts, dispatch
 from refill.models.tables import (
@@ -84,8 +84,9 @@ def create_run(
     session.add(run)
     session.flush()
     run.run_dir = os.path.join(output_dir, f"{name}-{run.id}")
-    session.execute(
-        insert(Prompt),
+    insert_rows(
+        session,
+        Prompt.__table__,
         [
             {"run_id": run.id, "position": i, "line_no": p.line_no, "text": p.text, "row": p.row}
             for i, p in enumerate(prompts)

@@ -237,3 +237,107 @@ def test_a_list_of_ids_is_one_parameter_and_the_statement_the_same_for_every_lis
     assert all(len(parameters) == 1 for _, parameters in reads), reads
     if ledger.engine.dialect.name == "postgresql":
         assert "= ANY(" in reads[0][0]
+
+
+def _new_attempts(d: Driver, first_id: int) -> list[dict[str, object]]:
+    """New extras of step 0, among them each kind of value a column can hold; `try_no` left
+    out (its default fills it in)."""
+    from sqlalchemy import null
+
+    from refill.models.tables import AttemptState
+
+    prompt_id = d.live()[0].prompt_id
+    at = datetime(2026, 12, 5, 16, 30, 15, 123456, tzinfo=UTC)
+    values = [
+        # A str enum member, JSON null (None), a float column given an integer, an emoji.
+        (AttemptState.RUNNING, None, 1, float("-inf"), True, 7, "worker \N{HOT PEPPER}"),
+        # SQL NULL (`null()`), NaN, a boolean's None, quotes, a backslash and control characters.
+        ("filtered", null(), float("nan"), None, None, None, "w'2\"\\\t\n"),
+        ("committed", [0.0, 1.5, None, {"k": "v"}], float("inf"), 0.5, False, -3, None),
+    ]
+    return [
+        {
+            "id": first_id + n, "run_id": d.run_id, "step": 0, "slot_idx": None, "origin_step": 0,
+            "origin_slot": None, "prompt_id": prompt_id, "reason": "extra", "state": state,
+            "failure_kind": None, "error": None, "min_weight_version": 0, "weight_version": n,
+            "worker": worker, "created_at": at, "available_at": at, "dispatched_at": None,
+            "started_at": None, "leased_until": None, "finished_at": at, "generation_seconds": 0.25 * n,
+            "rewards": rewards, "reward_mean": mean, "reward_min": low, "reward_max": None,
+            "zero_variance": zero, "num_tokens": tokens,
+        }
+        for n, (state, rewards, mean, low, zero, tokens, worker) in enumerate(values)
+    ]
+
+
+def test_new_rows_go_in_as_one_statement_and_read_back_as_a_core_insert_writes_them(ledger) -> None:  # type: ignore[no-untyped-def]
+    """`rows.insert_rows` (a COPY on PostgreSQL) against SQLAlchemy's own `insert(table)` of
+    the same rows: every column reads back the same, defaults, JSON null against SQL NULL,
+    an enum member, NaN and infinities, quotes and control characters included; listeners of
+    the engine see it as one statement."""
+    import math
+
+    from sqlalchemy import insert
+
+    from refill.models.rows import insert_rows
+
+    d = Driver(ledger, check=False)  # extras made by hand, not by the ledger's rules
+    d.admit()
+    table = Attempt.__table__
+    core, copied = _new_attempts(d, 10**9), _new_attempts(d, 10**9 + 100)
+    seen: list[tuple[str, bool]] = []
+
+    def record(conn, cursor, statement, parameters, context, executemany):  # type: ignore[no-untyped-def]
+        seen.append((statement.split()[0].upper(), executemany))
+
+    with ledger.session() as session:
+        session.execute(insert(table), core)
+        event.listen(ledger.engine, "before_cursor_execute", record)
+        try:
+            insert_rows(session, table, copied)
+        finally:
+            event.remove(ledger.engine, "before_cursor_execute", record)
+    postgres = ledger.engine.dialect.name == "postgresql"
+    assert seen == [("COPY" if postgres else "INSERT", True)]
+    with ledger.session() as session:
+        back = {row.id: dict(row._mapping) for row in session.execute(select(table).where(table.c.id >= 10**9))}
+    assert len(back) == 6
+
+    def same(a, b) -> bool:  # type: ignore[no-untyped-def]
+        return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
+
+    for n in range(3):
+        want, got = back[10**9 + n], back[10**9 + 100 + n]
+        for column in table.columns.keys():
+            if column != "id":
+                assert same(got[column], want[column]), (n, column, got[column], want[column])
+    assert [back[10**9 + 100 + n]["state"] for n in range(3)] == ["running", "filtered", "committed"]
+    assert back[10**9 + 100]["try_no"] == 1  # the column's default
+    assert back[10**9 + 101]["rewards"] is None and back[10**9 + 100]["rewards"] is None
+    if postgres:  # JSON null and SQL NULL are different values there
+        with ledger.session() as session:
+            nulls = dict(session.execute(select(table.c.id, table.c.rewards.is_(None)).where(table.c.id >= 10**9 + 100)).all())
+        assert nulls == {10**9 + 100: False, 10**9 + 101: True, 10**9 + 102: False}
+
+
+def test_new_rows_the_database_refuses_raise_sqlalchemys_error_and_leave_nothing(pg_ledger) -> None:  # type: ignore[no-untyped-def]
+    """A COPY that breaks a constraint fails as an INSERT would, with SQLAlchemy's
+    IntegrityError (which `Ledger.transaction` and callers know), naming the table; the
+    transaction keeps none of the rows."""
+    import pytest
+    from sqlalchemy.exc import IntegrityError
+
+    from refill.models.rows import insert_rows
+
+    d = Driver(pg_ledger, check=False)
+    d.admit()
+    table = Attempt.__table__
+    rows = _new_attempts(d, 10**9)
+    rows[2]["prompt_id"] = 10**12  # no such prompt
+
+    def write(session):  # type: ignore[no-untyped-def]
+        insert_rows(session, table, rows)
+
+    with pytest.raises(IntegrityError, match="attempts"):
+        pg_ledger.transaction(write)
+    with pg_ledger.session() as session:
+        assert session.scalars(select(table.c.id).where(table.c.id >= 10**9)).all() == []
