@@ -60,7 +60,7 @@ def admit(ctx: RunContext) -> list[int]:
 def open_step(ctx: RunContext, step: int, prompt_ids: list[int]) -> StepRow:
     """The step's row, its slots, each slot's first attempt and that attempt's outbox row.
 
-    The slots, attempts and outbox rows are written as three multi-row inserts without ORM
+    The slots, attempts and outbox rows are written as three bulk inserts without ORM
     objects: for a step of thousands of prompts, building and flushing an object per row was
     most of the cost of admission (`python -m bench overhead --profile admission`). What reads
     them later in the transaction (over-dispatch's top-up) loads them from the database, as

@@ -331,7 +331,7 @@ class RunContext:
         return int(self.run.spare_prompts_available or 0)
 
     def add_spares(self, rows: list[dict]) -> None:  # type: ignore[type-arg]
-        """Write spare prompts to the pool (rows of `spare_prompts`), as one multi-row insert
+        """Write spare prompts to the pool (rows of `spare_prompts`), as one bulk insert
         rather than an ORM object each: admission adds thousands, and only the few taken in
         this transaction are loaded back, by `next_spare`."""
         if not rows:

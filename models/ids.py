@@ -121,7 +121,8 @@ class IdBlocks:
         return sorted(ids)
 
     def insert(self, table: Table, rows: list[dict[str, Any]]) -> list[int]:
-        """Insert `rows` into `table` (one executemany) and return their ids, in order."""
+        """Insert `rows` into `table` (one statement, `rows.insert_rows`) and return their ids,
+        in order."""
         if not rows:
             return []
         if self.enabled:

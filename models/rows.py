@@ -5,8 +5,9 @@ groups and spare prompts while it holds the run's lock. It keeps them here as `R
 Python objects with one attribute per column (the ORM's names: `slot.filtered += 1` reads the
 same), and writes what changed when the operation flushes:
 
-1. **new rows** as one multi-row `INSERT` per table (a step, attempts, then groups and outbox
-   rows, which reference them), with their ids drawn up front (`models/ids.py`);
+1. **new rows** as one statement per table (a step, attempts, then groups and outbox rows,
+   which reference them; `insert_rows`: a `COPY` on PostgreSQL), with their ids drawn up
+   front (`models/ids.py`);
 2. **changed rows** as one `UPDATE` per table and set of changed columns: on PostgreSQL
    `UPDATE t SET c = v.c FROM unnest(:ids, :c...) AS v(...)` with one array parameter per
    column, elsewhere an executemany. A row's changes are found by comparing it with the
