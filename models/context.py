@@ -25,6 +25,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from operator import attrgetter
 from typing import Any
 
 from sqlalchemy import select
@@ -64,7 +65,6 @@ from refill.models.tables import (
     Slot,
     SlotStatus,
     SparePrompt,
-    Step,
     StepStatus,
 )
 
@@ -89,16 +89,10 @@ _LIVE = tuple(s.value for s in AttemptState.live())
 
 # Re-exported: the columns the ledger's modules read rows with (models/sql.py).
 __all__ = ["ATTEMPT_COLUMNS", "GROUP_COLUMNS", "SLOT_COLUMNS", "SPARE_COLUMNS", "RunContext"]
-_attempts = Attempt.__table__
-_slots, _groups, _steps, _spares = Slot.__table__, Group.__table__, Step.__table__, SparePrompt.__table__
+_attempts, _slots, _groups = Attempt.__table__, Slot.__table__, Group.__table__
 
 
-def _slot_index(slot: SlotRow) -> int:
-    return slot.idx
-
-
-def _step_number(step: StepRow) -> int:
-    return step.step
+_slot_index, _step_number = attrgetter("idx"), attrgetter("step")
 
 
 @dataclass
@@ -346,18 +340,26 @@ class RunContext:
         while not self._spares_db_done:
             if self._spares_db:
                 return self._spares_db.popleft()
-            self._load_spares()
+            self.reserve_spares(1)
         return None
 
-    def _load_spares(self) -> None:
-        self.flush()
-        self._adopt_spares(self.rows.load(SpareRow, sql.spares(self.run.id, self._spares_last_id, SPARE_CHUNK)))
+    def reserve_spares(self, count: int) -> None:
+        """Load what the next `count` takes of spares need in one read, where fewer are loaded
+        (over-dispatch takes hundreds at once). No flush first: the read starts past every
+        spare loaded so far and this transaction takes only spares it loaded, so none it took
+        can be read back as untaken; those it added are written already (`add_spares`)."""
+        short = count - len(self._spares_db or ())
+        if short > 0 and not self._spares_db_done:
+            limit = max(short, SPARE_CHUNK)
+            self._adopt_spares(self.rows.load(SpareRow, sql.spares(self.run.id, self._spares_last_id, limit)), limit)
 
-    def _adopt_spares(self, rows: list[SpareRow]) -> None:
-        self._spares_db = deque(r for r in rows if r.taken_at is None)
+    def _adopt_spares(self, rows: list[SpareRow], limit: int | None = None) -> None:
+        if self._spares_db is None:
+            self._spares_db = deque()
+        self._spares_db.extend(r for r in rows if r.taken_at is None)
         if rows:
             self._spares_last_id = rows[-1].id
-        if len(rows) < SPARE_CHUNK:
+        if len(rows) < (limit or SPARE_CHUNK):
             self._spares_db_done = not self._spares_db
 
     def spare_taken(self) -> None:

@@ -114,6 +114,7 @@ def top_up(ctx: RunContext) -> int:
         # need: a few slots borrow rather than many groups expire unused.
         sigmas = -sigmas
     add = decisions.extra_attempts(need, live, p, sigmas, max(0, cap))
+    ctx.reserve_spares(add)
     sent = 0
     for _ in range(add):
         spare = take_spare(ctx)

@@ -232,3 +232,40 @@ def test_a_batch_that_dispatches_extras_writes_each_table_once(pg_ledger) -> Non
     assert len(extras(d, 1)) == 3
     assert "INSERT attempts" in writes and "UPDATE attempts" in writes
     assert sorted(writes) == sorted(set(writes)), writes
+
+
+def test_the_extras_of_a_top_up_take_their_spares_with_one_read(pg_ledger, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Over-dispatch knows how many extras it sends: it loads their spare prompts with one read
+    (`RunContext.reserve_spares`), not one chunk after another (hundreds of extras a step)."""
+    from sqlalchemy import event
+
+    from refill.models import context as context_module
+
+    monkeypatch.setattr(context_module, "SPARE_CHUNK", 1)  # a chunk smaller than the top-up
+    spare_reads: list[str] = []
+
+    def record(conn, cursor, statement, *args):  # type: ignore[no-untyped-def]
+        if statement.lstrip().upper().startswith("SELECT") and "FROM spare_prompts" in statement:
+            spare_reads.append(statement)
+
+    d = Driver(pg_ledger, over_dispatch(lookahead=1, sigmas=0.0))
+    event.listen(pg_ledger.engine, "before_cursor_execute", record)
+    try:
+        assert d.admit() == [0, 1]
+    finally:
+        event.remove(pg_ledger.engine, "before_cursor_execute", record)
+    assert len(spare_reads) == 1, spare_reads
+    # The extras took the pool's oldest spares, in the order they were added, one each.
+    from sqlalchemy import select
+
+    from refill.models.tables import SparePrompt
+
+    spares = d.query(
+        lambda s: s.execute(
+            select(SparePrompt.prompt_id, SparePrompt.taken_by_attempt).where(SparePrompt.run_id == d.run_id).order_by(SparePrompt.id)
+        ).all()
+    )
+    made = extras(d, 1)
+    assert len(made) == 2
+    assert spares[:2] == [(a.prompt_id, a.id) for a in made]
+    assert all(taker is None for _, taker in spares[2:])
