@@ -347,7 +347,7 @@ class ClaimCheckResult(ResultMessage):
             raise PayloadError("a result message must be an object")
         common = _common_fields(body)
         lengths = body.get("lengths") or []
-        if not isinstance(lengths, list) or not all(_is_count(n) for n in lengths):
+        if not isinstance(lengths, list) or not _are_counts(lengths):
             raise PayloadError("'lengths' must be a list of non-negative integers")
         prompt_length = body.get("prompt_length", 0)
         if not _is_count(prompt_length):
@@ -384,7 +384,7 @@ def _common_fields(body: dict[str, Any]) -> dict[str, Any]:
         "attempt_id": _require(body, "attempt_id", int),
         "worker": str(body.get("worker", "?")),
         "weight_version": weight_version,
-        "rewards": [_as_reward(r) for r in rewards],
+        "rewards": _as_rewards(rewards),
         "error_kind": error_kind,
         "error": None if body.get("error") is None else str(body.get("error")),
         "generation_seconds": float(body.get("generation_seconds") or 0.0),
@@ -393,6 +393,13 @@ def _common_fields(body: dict[str, Any]) -> dict[str, Any]:
 
 def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _are_counts(values: list[Any]) -> bool:
+    # Every result's 16 lengths are checked: plain ints (what json reads) in one pass first.
+    if set(map(type, values)) <= _INT:
+        return not values or min(values) >= 0
+    return all(_is_count(n) for n in values)
 
 
 def estimated_body_bytes(body: dict[str, Any]) -> int:
@@ -408,6 +415,16 @@ def estimated_body_bytes(body: dict[str, Any]) -> int:
     if body.get("payload") is not None:
         size += 160
     return size + len(str(body.get("worker") or "")) + 2 * len(body.get("error") or "")
+
+
+_INT, _FLOAT = {int}, {float}
+
+
+def _as_rewards(values: list[Any]) -> list[float]:
+    # Every result's rewards are checked: plain floats (what json reads) in one pass first.
+    if set(map(type, values)) <= _FLOAT:
+        return list(values)
+    return [_as_reward(value) for value in values]
 
 
 def _as_reward(value: Any) -> float:

@@ -366,9 +366,9 @@ def _claim_problem(result: ClaimCheckResult, group_size: int) -> str | None:
         return f"group has {len(result.lengths)} completions, the run expects {group_size}"
     if len(result.rewards) != group_size:
         return f"group has {len(result.rewards)} rewards for {group_size} completions"
-    for i, reward in enumerate(result.rewards):
-        if not math.isfinite(reward):
-            return f"reward of completion {i} is {reward}, not a finite number"
+    if not all(map(math.isfinite, result.rewards)):
+        i, reward = next((i, r) for i, r in enumerate(result.rewards) if not math.isfinite(r))
+        return f"reward of completion {i} is {reward}, not a finite number"
     if not result.prompt_length:
         return "prompt_token_ids is empty"
     return None

@@ -125,6 +125,9 @@ def test_a_payload_name_must_be_one_the_store_makes_for_that_attempt(ref: str) -
         ({"payload": {"ref": payload_name(5000, NONCE), "bytes": 10, "checksum": "md5:00"}}, "not 'sha256:'"),
         ({"payload": {"ref": payload_name(5000, NONCE), "bytes": -1, "checksum": "sha256:" + "0" * 64}}, "-1 bytes"),
         ({"rewards": "1.0"}, "must be lists"),
+        ({"rewards": [0.5, True]}, "reward True is not a number"),
+        ({"rewards": [0.5, "1.0"]}, "reward '1.0' is not a number"),
+        ({"lengths": [1, 2.0]}, "'lengths' must be a list of non-negative integers"),
         ({"error_kind": "oops"}, "error_kind must be"),
     ],
 )
@@ -274,3 +277,13 @@ def test_the_remover_removes_after_submit(tmp_path) -> None:  # type: ignore[no-
         assert sorted(n for _, n in store.listing()) == sorted(r.name for r in refs[3:])
     finally:
         remover.close(10)
+
+
+def test_whole_number_rewards_are_read_as_floats_and_lengths_as_given() -> None:
+    """A reward written as a whole number (encoders other than Python's drop the .0) is a float
+    once read; lengths stay as given."""
+    body = {**_claim().to_json(), "rewards": [1, 0.5, 0, -2.25], "lengths": [0, 3, 7, 2**40]}
+    result = ResultMessage.from_json(body)
+    assert result.rewards == [1.0, 0.5, 0.0, -2.25]
+    assert [type(r) for r in result.rewards] == [float] * 4
+    assert result.lengths == [0, 3, 7, 2**40]
