@@ -11,7 +11,7 @@ write with nothing to say is the controller's cost, not the floor's.
 `replay` writes those changes into a scratch database with the same schema (the same
 migrations, so the same indexes and constraints), one transaction for each of the step's, in
 the step's order: deletes, then per table (parents first) its new rows in one statement, as
-the ledger inserts them (`refill.models.rows.insert_rows`: a COPY), then per table
+the ledger inserts them (`refill.models.sql.insert_rows`: a COPY), then per table
 and set of changed columns one `UPDATE ... FROM unnest(...)` with one array parameter per
 column. The setup, the workers'
 lease handshakes and the trainer's claim are replayed too (so every row is as the step found
@@ -30,7 +30,7 @@ from typing import Any
 from sqlalchemy import JSON, Engine, Table, bindparam, delete, func, null, select, text, tuple_
 
 from bench.machine import process_cpu
-from refill.models.rows import insert_rows
+from refill.models.sql import insert_rows
 
 
 @dataclass

@@ -12,8 +12,9 @@ from refill.models import decisions
 from refill.models.context import RunContext
 from refill.models.dataloader import add_to_pool, draw, refill_spare_pool
 from refill.models.overdispatch import top_up
-from refill.models.rows import StepRow, insert_rows
+from refill.models.rows import StepRow
 from refill.models.slots import attempt_values, generate_outbox_values
+from refill.models.sql import insert_rows
 from refill.models.tables import Attempt, AttemptReason, Outbox, Slot, SlotStatus, StepStatus
 
 

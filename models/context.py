@@ -46,7 +46,6 @@ from refill.models.rows import (
     SlotRow,
     SpareRow,
     StepRow,
-    insert_rows,
 )
 from refill.models.samplers import GroupView, Sampler
 from refill.models.settings import LedgerSettings, settings_for
@@ -55,6 +54,7 @@ from refill.models.sql import (
     GROUP_COLUMNS,
     SLOT_COLUMNS,
     SPARE_COLUMNS,
+    insert_rows,
     slot_keys_in,
 )
 from refill.models.tables import (

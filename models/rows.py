@@ -6,7 +6,7 @@ Python objects with one attribute per column (the ORM's names: `slot.filtered +=
 same), and writes what changed when the operation flushes:
 
 1. **new rows** as one statement per table (a step, attempts, then groups and outbox rows,
-   which reference them; `insert_rows`: a `COPY` on PostgreSQL), with their ids drawn up
+   which reference them; `sql.insert_rows`: a `COPY` on PostgreSQL), with their ids drawn up
    front (`models/ids.py`);
 2. **changed rows** as one `UPDATE` per table and set of changed columns: on PostgreSQL
    `UPDATE t SET c = v.c FROM unnest(:ids, :c...) AS v(...)` with one array parameter per
@@ -28,17 +28,12 @@ import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from enum import Enum
 from functools import cache, lru_cache
-from types import NoneType
 from typing import Any, ClassVar
 
 from sqlalchemy import (
     JSON,
-    Boolean,
     Float,
-    Integer,
-    String,
     Table,
     and_,
     bindparam,
@@ -51,12 +46,10 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects.postgresql import aggregate_order_by
-from sqlalchemy.engine import Connection
-from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 from sqlalchemy.sql import Select
-from sqlalchemy.sql.elements import Null
 
+from refill.models import sql
 from refill.models.column_types import UTCDateTime
 from refill.models.tables import Attempt, Group, Outbox, Run, Slot, SparePrompt, Step
 
@@ -405,7 +398,7 @@ class RowStore:
             if not new:
                 continue
             self._new[cls] = []
-            insert_rows(self.session, cls.table, _insert_values(cls.table, new))
+            sql.insert_rows(self.session, cls.table, _insert_values(cls.table, new))
             for row in new:
                 self._saved[id(row)] = dict(row.__dict__)
             written += len(new)
@@ -496,74 +489,6 @@ def _insert_values(table: Table, rows: list[Row]) -> list[dict[str, Any]]:
     if "id" in table.c and all(item.get("id") is None for item in values):
         for item in values:
             del item["id"]
-    return values
-
-
-def insert_rows(executor: Session | Connection, table: Table, rows: list[dict[str, Any]]) -> None:
-    """Insert `rows` (dicts with the same keys) into `table`, as a Core `insert(table)` of
-    them would: a column they leave out takes its default, a JSON column's None is JSON null,
-    SQLAlchemy's `null()` SQL NULL.
-
-    On PostgreSQL with `COPY ... FROM STDIN`: a batch of results inserts about 90 rows into
-    three tables, which an executemany sends as one INSERT per row (pipelined, but each parsed,
-    planned and run by the server on its own: a fifth of the batch's time in `bench overhead`)
-    and `INSERT ... SELECT FROM unnest(...)` as arrays that psycopg spells element by element
-    in Python; COPY's rows are formatted in psycopg's C code and read by the server in one
-    pass (4.4 and 3.1 ms against 1.6 ms for 90 new attempts, bench/README.md). The engine's
-    `before_cursor_execute` and `after_cursor_execute` listeners see it as one executemany of
-    `rows`; a driver error comes out as SQLAlchemy's, as from `session.execute`, so that
-    `Ledger.transaction` retries what it would retry. Elsewhere (SQLite) an executemany."""
-    if not rows:
-        return
-    connection = executor.connection() if isinstance(executor, Session) else executor
-    dialect = connection.dialect
-    if dialect.name != "postgresql":
-        connection.execute(insert(table), rows)
-        return
-    names = list(rows[0])
-    columns = [_copy_column(dialect, table.c[name], [row[name] for row in rows]) for name in names]
-    for column in table.columns:
-        if column.key not in rows[0] and column.default is not None:
-            if not column.default.is_scalar:
-                raise ValueError(f"insert_rows: give {table.name}.{column.key} a value (its default is computed)")
-            names.append(column.key)
-            columns.append(_copy_column(dialect, column, [column.default.arg] * len(rows)))
-    statement = f"COPY {table.name} ({', '.join(names)}) FROM STDIN"
-    raw = connection.connection.driver_connection
-    # Listeners of the engine (statement counts, `bench overhead --rtt-ms`, tests) see the COPY
-    # as the statements they would have seen: `dispatch` calls each, a no-op when none.
-    connection.dispatch.before_cursor_execute(connection, None, statement, rows, None, True)
-    try:
-        with raw.cursor() as cursor, cursor.copy(statement) as copy:
-            for values in zip(*columns, strict=True):
-                copy.write_row(values)
-    except dialect.loaded_dbapi.Error as error:
-        invalidated = dialect.is_disconnect(error, raw, None)
-        if invalidated:
-            connection.invalidate(error)
-        raise DBAPIError.instance(
-            statement, None, error, dialect.loaded_dbapi.Error, connection_invalidated=invalidated, dialect=dialect
-        ) from error
-    connection.dispatch.after_cursor_execute(connection, None, statement, rows, None, True)
-
-
-#: The Python type each column type's values must have: psycopg refuses an array of mixed
-#: types (an integer among a float column's values) and writes an enum member by its name.
-_ITEM_TYPE: tuple[tuple[type, type], ...] = ((Boolean, bool), (Float, float), (Integer, int), (String, str))
-
-
-def _copy_column(dialect: Any, column: Any, values: list[Any]) -> list[Any]:
-    """`column`'s values as the driver must get them: through the column type's bind
-    processor, a JSON value as its text, each value of the column's own Python type."""
-    kind = column.type
-    if isinstance(kind, JSON):
-        return [None if isinstance(value, Null) else json.dumps(value) for value in values]
-    process = kind._cached_bind_processor(dialect)
-    if process is not None:
-        values = [process(value) for value in values]
-    item = next((item for base, item in _ITEM_TYPE if isinstance(kind, base)), None)
-    if item is not None and not {type(value) for value in values} <= {item, NoneType}:
-        values = [None if value is None else item(value.value if isinstance(value, Enum) else value) for value in values]
     return values
 
 

@@ -270,7 +270,7 @@ def _new_attempts(d: Driver, first_id: int) -> list[dict[str, object]]:
 
 
 def test_new_rows_go_in_as_one_statement_and_read_back_as_a_core_insert_writes_them(ledger) -> None:  # type: ignore[no-untyped-def]
-    """`rows.insert_rows` (a COPY on PostgreSQL) against SQLAlchemy's own `insert(table)` of
+    """`sql.insert_rows` (a COPY on PostgreSQL) against SQLAlchemy's own `insert(table)` of
     the same rows: every column reads back the same, defaults, JSON null against SQL NULL,
     an enum member, NaN and infinities, quotes and control characters included; listeners of
     the engine see it as one statement."""
@@ -278,7 +278,7 @@ def test_new_rows_go_in_as_one_statement_and_read_back_as_a_core_insert_writes_t
 
     from sqlalchemy import insert
 
-    from refill.models.rows import insert_rows
+    from refill.models.sql import insert_rows
 
     d = Driver(ledger, check=False)  # extras made by hand, not by the ledger's rules
     d.admit()
@@ -326,7 +326,7 @@ def test_new_rows_the_database_refuses_raise_sqlalchemys_error_and_leave_nothing
     import pytest
     from sqlalchemy.exc import IntegrityError
 
-    from refill.models.rows import insert_rows
+    from refill.models.sql import insert_rows
 
     d = Driver(pg_ledger, check=False)
     d.admit()
