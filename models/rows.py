@@ -57,12 +57,27 @@ _MISSING = object()
 
 
 class Row:
-    """A table row as a plain object: one attribute per column read (or set)."""
+    """A table row as a plain object: one attribute per column read (or set).
 
+    Its `__dict__` holds the row's values and nothing else: it is what a write compares and
+    sends. `_set`, a slot outside it, names the columns set since the row was last written,
+    so that a write compares those rather than every column of every row it holds."""
+
+    __slots__ = ("__dict__", "_set")
     table: ClassVar[Table]
 
     def __init__(self, values: dict[str, Any]) -> None:
-        self.__dict__ = values  # the row's own dict: loaded rows build one per row anyway
+        # The row's own dict: loaded rows build one per row anyway.
+        object.__setattr__(self, "__dict__", values)
+        object.__setattr__(self, "_set", None)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self.__dict__[name] = value
+        touched = self._set
+        if touched is None:
+            object.__setattr__(self, "_set", {name})
+        else:
+            touched.add(name)
 
     def __repr__(self) -> str:
         shown = ", ".join(f"{k}={v!r}" for k, v in self.__dict__.items() if k in _REPR.get(type(self), ()))
@@ -95,6 +110,11 @@ class SpareRow(Row):
 
 class OutboxRow(Row):
     table = Outbox.__table__
+
+
+def _written(row: Row) -> None:
+    """`row` holds what the database holds (read, or just written)."""
+    object.__setattr__(row, "_set", None)
 
 
 _REPR: dict[type, tuple[str, ...]] = {
@@ -370,6 +390,7 @@ class RowStore:
             table = cls.table
             row.id = self.session.execute(insert(table).values(_insert_values(table, [row])[0]).returning(table.c.id)).scalar_one()
             self._saved[id(row)] = dict(row.__dict__)
+            _written(row)
         else:
             self._new[cls].append(row)
         found = self._maps.get(cls)
@@ -401,6 +422,7 @@ class RowStore:
             sql.insert_rows(self.session, cls.table, _insert_values(cls.table, new))
             for row in new:
                 self._saved[id(row)] = dict(row.__dict__)
+                _written(row)
             written += len(new)
         for cls in _UPDATE_ORDER:
             written += self._write_changes(cls)
@@ -410,12 +432,18 @@ class RowStore:
         saved = self._saved
         shapes: dict[frozenset[str], list[Row]] = {}
         for row in self._maps[cls].values():
-            before = saved.get(id(row))
-            current = row.__dict__
-            if before is None or current == before:
+            touched = row._set
+            if touched is None:
                 continue
-            keys = frozenset(k for k, v in current.items() if before.get(k, _MISSING) != v)
-            shapes.setdefault(keys, []).append(row)
+            before = saved.get(id(row))
+            if before is None:
+                continue  # not inserted yet: its insert writes it whole
+            current = row.__dict__
+            keys = frozenset(k for k in touched if current[k] != before.get(k, _MISSING))
+            if keys:
+                shapes.setdefault(keys, []).append(row)
+            else:
+                _written(row)  # set back to what the database holds
         if not shapes:
             return 0
         uniform = _UNIFORM_COLUMNS.get(cls)
@@ -433,6 +461,7 @@ class RowStore:
             self._update(cls.table, sorted(keys), sorted(rows, key=lambda row: key_of(row.__dict__)))
             for row in rows:
                 saved[id(row)] = dict(row.__dict__)
+                _written(row)
         return sum(len(rows) for rows in shapes.values())
 
     def _update(self, table: Table, keys: list[str], rows: list[Row]) -> None:

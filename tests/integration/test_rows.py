@@ -98,6 +98,33 @@ def test_a_column_that_did_not_change_is_not_written_back(pg_ledger) -> None:  #
     assert [by_id[a.id].num_tokens for a in attempts[:2]] == [None, None]
 
 
+def test_a_row_set_back_to_what_it_held_is_not_written_and_a_later_change_is(ledger) -> None:  # type: ignore[no-untyped-def]
+    """A write compares the columns set since the row was last written (`Row._set`): one set
+    and set back, or set to the value it held, writes nothing; one set after a write is written
+    in the next, alone."""
+    d = Driver(ledger, check=False)  # rows changed by hand, not by the ledger's rules
+    d.admit()
+    with updates(ledger) as seen, ledger.session() as session:
+        store = RowStore(session)
+        attempts, slots = _load(store, d.run_id)
+        first, second = attempts[0], attempts[1]
+        first.error = "for a moment"
+        first.error = None  # back to what it held
+        second.num_tokens = second.num_tokens  # the value it holds
+        slots[0].filtered = slots[0].filtered
+        assert store.write() == 0 and seen == []
+        first.error = "kept"
+        assert store.write() == 1
+        assert len(seen) == 1
+        second.num_tokens = 11
+        assert store.write() == 1  # the later change, in a write of its own
+        assert len(seen) == 2 and "num_tokens" in seen[1] and "error" not in seen[1]
+        assert store.write() == 0
+        session.commit()
+    assert (d.attempt(first.id).error, d.attempt(first.id).num_tokens) == ("kept", None)
+    assert (d.attempt(second.id).error, d.attempt(second.id).num_tokens) == (None, 11)
+
+
 def test_a_batch_of_results_records_the_same_on_both_ledgers(ledger) -> None:  # type: ignore[no-untyped-def]
     """The consumer's path through it: a batch that commits and filters groups leaves the
     ledger consistent (the suite checks the invariants after each test) and as recorded."""
