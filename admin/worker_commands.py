@@ -72,6 +72,9 @@ def worker(
         note(f"task events on ({'--events' if events else EVENTS_ENV + '=1'}): Flower shows this worker's tasks")
     note(f"{role} worker: {ROLES[role].doc}")
     note(f"broker {redact_url(broker)}, ledger {redact_url(database)}")
+    from refill.tasks.runtime import tune_collector
+
+    tune_collector()
     app.worker_main(argv)
 
 

@@ -436,6 +436,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.rtt_ms > 0:
         simulate_round_trip(args.rtt_ms / 1000.0)
+    # The controller side runs in worker processes (the consumer, the relay): their garbage
+    # collector's settings, as `refill worker` sets them.
+    from refill.tasks.runtime import tune_collector
+
+    tune_collector()
     rounds: list[Timers] = []
     # CPU time, not wall time: waits on the database (and on other processes for a core) drop out.
     profile = cProfile.Profile(time.process_time) if args.profile else None

@@ -147,6 +147,10 @@ def bare_worker_main(role: str, concurrency: int | None, loglevel: str) -> None:
     argv = worker_argv(role, concurrency=concurrency, hostname=os.environ.get("BENCH_HOSTNAME"), loglevel=loglevel)
     queue = {"generate": BARE_GENERATE, "consume": BARE_RESULTS}[role]
     argv[argv.index("--queues") + 1] = queue
+    # The same process settings as `refill worker`'s: the comparison is of the work, not of them.
+    from refill.tasks.runtime import tune_collector
+
+    tune_collector()
     app.worker_main(argv)
 
 

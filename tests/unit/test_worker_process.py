@@ -1,0 +1,38 @@
+"""What `refill worker ROLE` sets in its process before Celery's worker starts."""
+
+from __future__ import annotations
+
+import gc
+
+from typer.testing import CliRunner
+
+from refill.admin.cli import app as cli_app
+from refill.tasks.runtime import GC_THRESHOLD
+
+
+def test_a_fleet_worker_sets_its_garbage_collector_before_it_starts(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The collector's thresholds are the worker's (`runtime.tune_collector`), and what the
+    process loaded is frozen out of its passes, by the time the worker starts taking tasks."""
+    from refill.tasks.app import app
+
+    seen: dict[str, object] = {}
+
+    def worker_main(argv: list[str]) -> None:  # instead of starting a worker
+        seen.update(threshold=gc.get_threshold(), frozen=gc.get_freeze_count(), argv=argv)
+
+    monkeypatch.setattr(app, "worker_main", worker_main)
+    before = gc.get_threshold()
+    assert before != GC_THRESHOLD
+    try:
+        result = CliRunner().invoke(
+            cli_app,
+            ["worker", "consume"],
+            env={"REFILL_BROKER_URL": "redis://127.0.0.1:6379/15", "REFILL_DATABASE_URL": "postgresql+psycopg://u@127.0.0.1/none"},
+        )
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
+    assert result.exit_code == 0, result.output
+    assert seen["threshold"] == GC_THRESHOLD
+    assert isinstance(seen["frozen"], int) and seen["frozen"] > 1000
+    assert "--queues" in seen["argv"]  # type: ignore[operator]
