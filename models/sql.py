@@ -300,8 +300,9 @@ def insert_rows(executor: Session | Connection, table: Table, rows: list[dict[st
     connection.dispatch.after_cursor_execute(connection, None, statement, rows, None, True)
 
 
-#: The Python type each column type's values must have: psycopg refuses an array of mixed
-#: types (an integer among a float column's values) and writes an enum member by its name.
+#: The Python type each column type's values are written as. COPY takes the driver's text
+#: of each value as it is, where a Core insert casts its parameter to the column's type: a bool
+#: in an integer column would be 't', not 1.
 _ITEM_TYPE: tuple[tuple[type, type], ...] = ((Boolean, bool), (Float, float), (Integer, int), (String, str))
 
 

@@ -285,7 +285,8 @@ def _new_attempts(d: Driver, first_id: int) -> list[dict[str, object]]:
     return [
         {
             "id": first_id + n, "run_id": d.run_id, "step": 0, "slot_idx": None, "origin_step": 0,
-            "origin_slot": None, "prompt_id": prompt_id, "reason": "extra", "state": state,
+            # A bool in an integer column: a Core insert casts it (1), COPY must write 1 too.
+            "origin_slot": (None, True, 3)[n], "prompt_id": prompt_id, "reason": "extra", "state": state,
             "failure_kind": None, "error": None, "min_weight_version": 0, "weight_version": n,
             "worker": worker, "created_at": at, "available_at": at, "dispatched_at": None,
             "started_at": None, "leased_until": None, "finished_at": at, "generation_seconds": 0.25 * n,
