@@ -10,8 +10,9 @@ same), and writes what changed when the operation flushes:
    front (`models/ids.py`);
 2. **changed rows** as one `UPDATE` per table and set of changed columns: on PostgreSQL
    `UPDATE t SET c = v.c FROM unnest(:ids, :c...) AS v(...)` with one array parameter per
-   column, elsewhere an executemany. A row's changes are found by comparing it with the
-   values it was read with (or last written), so a column nobody set is never written back:
+   column, elsewhere an executemany. A row's changes are found by comparing the columns set
+   since it was read or last written (`Row._set`) with the values it held then, so a column
+   nobody set is never written back:
    a worker's heartbeat or lease handshake, committed meanwhile to other columns of the same
    attempt, survives.
 
