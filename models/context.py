@@ -68,18 +68,14 @@ from refill.models.tables import (
     StepStatus,
 )
 
-#: Rows loaded per query by the caches of lenders and waiting slots, unless the operation
-#: sizes them (`size_caches`: a batch of results needs a prefix about its own size).
-CHUNK = 512
+#: Rows loaded per query by the caches (lenders and waiting slots; spare prompts; open slots),
+#: unless the operation sizes them (`size_caches`: a batch of results needs a prefix about its
+#: own size); more are loaded when they run out.
+CHUNK, SPARE_CHUNK, OPEN_CHUNK = 512, 128, 128
 #: How many lenders a slot's sampler chooses among (`slots.lender_candidates`) and how many
 #: open slots a group's placement looks at (`slots.placement_candidates`).
 LENDER_CHOICES = 128
 PLACEMENT_CHOICES = 32
-#: Spare prompts loaded per query: a batch of results takes a few dozen.
-SPARE_CHUNK = 128
-#: Open slots loaded per query for placements that may take any open slot: a batch settles
-#: a few of them; more are loaded when they run out.
-OPEN_CHUNK = 128
 
 # Enum members' .value is a property call; the hot loops compare against plain strings.
 _SLOT_OPEN = SlotStatus.OPEN.value
@@ -127,9 +123,11 @@ class RunContext:
     _waiting_by_step: dict[int, list[SlotRow]] = field(default_factory=dict)
     #: the last (step, idx) loaded when the stored waiting slots were more than were loaded
     _waiting_loaded_to: tuple[int, int] | None = None
-    #: rows the waiting and lendable caches load (see `size_caches`)
+    #: rows the caches load (see `size_caches`)
     _waiting_chunk: int = CHUNK
     _lendable_chunk: int = CHUNK
+    _open_chunk: int | None = None
+    _spare_chunk: int | None = None
     #: a prefix (in placement order) of the open slots of open steps, and whether more exist
     _open_slots: list[SlotRow] | None = None
     _open_slots_truncated: bool = False
@@ -137,8 +135,7 @@ class RunContext:
     _unfinished_read: bool = False
     #: a step opened or left 'open' here: extras may be stranded (`overdispatch.reaim_if_steps_changed`)
     steps_changed: bool = False
-    #: ids for the attempts, outbox rows and spare prompts this transaction creates (set by
-    #: `open`)
+    #: ids for the attempts, outbox rows and spare prompts this transaction creates (`open`)
     ids: IdBlocks = field(default=None)  # type: ignore[assignment]
 
     @classmethod
@@ -350,7 +347,7 @@ class RunContext:
         can be read back as untaken; those it added are written already (`add_spares`)."""
         short = count - len(self._spares_db or ())
         if short > 0 and not self._spares_db_done:
-            limit = max(short, SPARE_CHUNK)
+            limit = max(short, self._spare_chunk or SPARE_CHUNK)
             self._adopt_spares(self.rows.load(SpareRow, sql.spares(self.run.id, self._spares_last_id, limit)), limit)
 
     def _adopt_spares(self, rows: list[SpareRow], limit: int | None = None) -> None:
@@ -359,7 +356,7 @@ class RunContext:
         self._spares_db.extend(r for r in rows if r.taken_at is None)
         if rows:
             self._spares_last_id = rows[-1].id
-        if len(rows) < (limit or SPARE_CHUNK):
+        if len(rows) < (limit or self._spare_chunk or SPARE_CHUNK):
             self._spares_db_done = not self._spares_db
 
     def spare_taken(self) -> None:
@@ -367,17 +364,20 @@ class RunContext:
 
     # --- groups a slot may borrow ----------------------------------------------------------
 
-    def size_caches(self, results: int) -> None:
-        """Size the waiting and lendable caches for a batch of `results` results, before
-        their first use.
+    def size_caches(self, results: int, filtered: int = 0) -> None:
+        """Size the caches for a batch of `results` results, `filtered` of them zero-variance,
+        before their first use.
 
-        A result settles at most a couple of waiting slots (its own, a lender's) and borrows
-        at most one lender, so a prefix of `2 * results` past what one decision looks at gives
-        every decision of the batch the same choices the whole set would; a longer prefix
-        costs a batch of 64 results more in loading ORM rows than in deciding.
-        (`waiting_up_to` loads more if a prefix ever runs short.)"""
+        A result settles at most a couple of waiting slots (its own, a lender's), borrows at
+        most one lender and fills at most one open slot, so a prefix of `2 * results` (of open
+        slots, `results`) past what one decision looks at gives every decision of the batch the
+        same choices the whole set would; a filtered result takes at most one spare prompt
+        (over-dispatch reads its own, `reserve_spares`). A longer prefix costs a batch more in
+        loading rows than in deciding; a short one is loaded again (`waiting_up_to`)."""
         self._waiting_chunk = 2 * results + PLACEMENT_CHOICES
         self._lendable_chunk = 2 * results + LENDER_CHOICES
+        self._open_chunk = results + PLACEMENT_CHOICES
+        self._spare_chunk = filtered + 16
 
     def lendable(self) -> list[GroupView]:
         """Groups committed in open steps, latest steps first, and parked groups."""
@@ -492,7 +492,7 @@ class RunContext:
         for _ in range(2):
             if self._open_slots is None:
                 self.flush()
-                rows = self.rows.load(SlotRow, sql.open_slots(self.run.id, limit=OPEN_CHUNK))
+                rows = self.rows.load(SlotRow, sql.open_slots(self.run.id, limit=self._open_chunk or OPEN_CHUNK))
                 # A group placed in one of them hands its live attempt over to the extras.
                 self.prefetch_live(rows)
                 self._adopt_open_slots(rows)
@@ -530,7 +530,7 @@ class RunContext:
 
     def _adopt_open_slots(self, rows: list[SlotRow]) -> None:
         self._open_slots = rows
-        self._open_slots_truncated = len(rows) == OPEN_CHUNK
+        self._open_slots_truncated = len(rows) == (self._open_chunk or OPEN_CHUNK)
 
     # --- what a batch of results reads before it decides -------------------------------------
 
@@ -565,10 +565,10 @@ class RunContext:
             committed, parked = sql.lendable(self.run.id, self.settings.max_lookahead_versions, self._lendable_chunk)
             parts.append(([Read(SlotRow, committed, extra=("lender_version",)), Read(None, parked, extra=("attempt_id", "weight_version"))], self._adopt_lendable))
         if lendable and self._spares_db is None and not self._spares_db_done:
-            parts.append(([Read(SpareRow, sql.spares(self.run.id, self._spares_last_id, SPARE_CHUNK))], self._adopt_spares))
+            parts.append(([Read(SpareRow, sql.spares(self.run.id, self._spares_last_id, self._spare_chunk or SPARE_CHUNK))], self._adopt_spares))
         open_prefix = open_slots and self._open_slots is None
         if open_prefix:
-            parts.append(([Read(SlotRow, sql.open_slots(self.run.id, limit=OPEN_CHUNK))], self._adopt_open_slots))
+            parts.append(([Read(SlotRow, sql.open_slots(self.run.id, limit=self._open_chunk or OPEN_CHUNK))], self._adopt_open_slots))
         found = self.rows.load_all([*reads, *(read for part, _ in parts for read in part)])
         own, at = found[: len(reads)], len(reads)
         for part, adopt in parts:

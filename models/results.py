@@ -109,7 +109,8 @@ def record_results(
                 outcomes[position] = _reject(session, result, RejectReason.UNKNOWN, f"there is no run {run_id}", at)
             continue
         with ctx:
-            ctx.size_caches(len(items))
+            tolerance = ctx.settings.zero_variance_tolerance
+            ctx.size_caches(len(items), sum(not r.error_kind and decisions.is_zero_variance(r.rewards, tolerance) for _, r in items))
             attempts = _read_batch(ctx, [r.attempt_id for _, r in items])
             # About one new attempt (and its outbox row) per result; more come in growing blocks.
             ctx.ids.expect({"attempts": len(items), "outbox": len(items)})

@@ -23,7 +23,7 @@ from refill.models.tables import (
     Step,
     StepStatus,
 )
-from tests.support.driver import SPREAD, Driver
+from tests.support.driver import FLAT, SPREAD, Driver
 
 
 def _waiting_truth(session, run_id: int, limit: int) -> list[tuple[int, int]]:  # type: ignore[no-untyped-def]
@@ -78,6 +78,35 @@ def test_placements_see_the_first_waiting_slots_when_the_loaded_prefix_runs_shor
 
     with pytest.raises(Rollback):
         ledger.transaction(look)
+
+
+def test_a_batch_reads_the_spares_its_filtered_results_take_and_more_when_they_run_short(ledger, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A batch's read-ahead loads as many spare prompts as it has zero-variance results (and a
+    margin, here none); when the batch takes more, the next are read (no write first), in the
+    pool's order, none twice."""
+    from refill.models.tables import SparePrompt
+
+    d = Driver(ledger, {"grpo": {"num_prompts_per_step": 8}}, num_prompts=80)
+    d.admit()
+    sized = RunContext.size_caches
+
+    def no_margin(ctx, results, filtered=0):  # type: ignore[no-untyped-def]
+        sized(ctx, results, filtered)
+        ctx._spare_chunk = max(1, filtered - 2)  # shorter than the batch's need
+
+    monkeypatch.setattr(RunContext, "size_caches", no_margin)
+    pool = d.spare_pool()
+    d.start_all([a.id for a in d.live(0)])
+    batch = [d.result(d.live_of(0, idx).id, FLAT) for idx in (1, 3, 4, 6)]  # nothing to borrow
+    assert [r.outcome.value for r in d.record(*batch).outcomes] == ["FILTERED"] * 4
+    taken = d.query(
+        lambda s: s.execute(
+            select(SparePrompt.prompt_id).where(SparePrompt.run_id == d.run_id, SparePrompt.taken_at.is_not(None)).order_by(SparePrompt.id)
+        ).scalars().all()
+    )
+    assert [d.position(p) for p in taken] == pool[:4]
+    assert d.spare_pool()[: len(pool) - 4] == pool[4:]  # the rest, in order (a refill comes after)
+    assert sorted(a.prompt_id for a in d.live(0) if a.reason != "first") == sorted(taken)
 
 
 def test_an_unsized_cache_loads_every_waiting_slot_up_to_its_chunk(ledger) -> None:  # type: ignore[no-untyped-def]
