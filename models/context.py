@@ -126,8 +126,8 @@ class RunContext:
     #: rows the caches load (see `size_caches`)
     _waiting_chunk: int = CHUNK
     _lendable_chunk: int = CHUNK
-    _open_chunk: int | None = None
-    _spare_chunk: int | None = None
+    _open_chunk: int = field(default_factory=lambda: OPEN_CHUNK)
+    _spare_chunk: int = field(default_factory=lambda: SPARE_CHUNK)
     #: a prefix (in placement order) of the open slots of open steps, and whether more exist
     _open_slots: list[SlotRow] | None = None
     _open_slots_truncated: bool = False
@@ -347,7 +347,7 @@ class RunContext:
         can be read back as untaken; those it added are written already (`add_spares`)."""
         short = count - len(self._spares_db or ())
         if short > 0 and not self._spares_db_done:
-            limit = max(short, self._spare_chunk or SPARE_CHUNK)
+            limit = max(short, self._spare_chunk)
             self._adopt_spares(self.rows.load(SpareRow, sql.spares(self.run.id, self._spares_last_id, limit)), limit)
 
     def _adopt_spares(self, rows: list[SpareRow], limit: int | None = None) -> None:
@@ -356,7 +356,7 @@ class RunContext:
         self._spares_db.extend(r for r in rows if r.taken_at is None)
         if rows:
             self._spares_last_id = rows[-1].id
-        if len(rows) < (limit or self._spare_chunk or SPARE_CHUNK):
+        if len(rows) < (limit or self._spare_chunk):
             self._spares_db_done = not self._spares_db
 
     def spare_taken(self) -> None:
@@ -492,7 +492,7 @@ class RunContext:
         for _ in range(2):
             if self._open_slots is None:
                 self.flush()
-                rows = self.rows.load(SlotRow, sql.open_slots(self.run.id, limit=self._open_chunk or OPEN_CHUNK))
+                rows = self.rows.load(SlotRow, sql.open_slots(self.run.id, limit=self._open_chunk))
                 # A group placed in one of them hands its live attempt over to the extras.
                 self.prefetch_live(rows)
                 self._adopt_open_slots(rows)
@@ -530,7 +530,7 @@ class RunContext:
 
     def _adopt_open_slots(self, rows: list[SlotRow]) -> None:
         self._open_slots = rows
-        self._open_slots_truncated = len(rows) == (self._open_chunk or OPEN_CHUNK)
+        self._open_slots_truncated = len(rows) == self._open_chunk
 
     # --- what a batch of results reads before it decides -------------------------------------
 
@@ -565,10 +565,10 @@ class RunContext:
             committed, parked = sql.lendable(self.run.id, self.settings.max_lookahead_versions, self._lendable_chunk)
             parts.append(([Read(SlotRow, committed, extra=("lender_version",)), Read(None, parked, extra=("attempt_id", "weight_version"))], self._adopt_lendable))
         if lendable and self._spares_db is None and not self._spares_db_done:
-            parts.append(([Read(SpareRow, sql.spares(self.run.id, self._spares_last_id, self._spare_chunk or SPARE_CHUNK))], self._adopt_spares))
+            parts.append(([Read(SpareRow, sql.spares(self.run.id, self._spares_last_id, self._spare_chunk))], self._adopt_spares))
         open_prefix = open_slots and self._open_slots is None
         if open_prefix:
-            parts.append(([Read(SlotRow, sql.open_slots(self.run.id, limit=self._open_chunk or OPEN_CHUNK))], self._adopt_open_slots))
+            parts.append(([Read(SlotRow, sql.open_slots(self.run.id, limit=self._open_chunk))], self._adopt_open_slots))
         found = self.rows.load_all([*reads, *(read for part, _ in parts for read in part)])
         own, at = found[: len(reads)], len(reads)
         for part, adopt in parts:
