@@ -61,8 +61,8 @@ class Completion:
         return (
             self.text == other.text
             and self.finish_reason == other.finish_reason
-            and _json_list(self.token_ids) == _json_list(other.token_ids)
-            and _json_list(self.logprobs) == _json_list(other.logprobs)
+            and as_list(self.token_ids) == as_list(other.token_ids)
+            and as_list(self.logprobs) == as_list(other.logprobs)
         )
 
     @classmethod
@@ -187,11 +187,11 @@ class ResultMessage:
             "attempt_id": self.attempt_id,
             "worker": self.worker,
             "weight_version": self.weight_version,
-            "prompt_token_ids": _json_list(self.prompt_token_ids),
+            "prompt_token_ids": as_list(self.prompt_token_ids),
             "completions": [
                 {
-                    "token_ids": _json_list(c.token_ids),
-                    "logprobs": _json_list(c.logprobs),
+                    "token_ids": as_list(c.token_ids),
+                    "logprobs": as_list(c.logprobs),
                     "text": c.text,
                     "finish_reason": c.finish_reason,
                 }
@@ -233,9 +233,9 @@ class ResultMessage:
         return estimated_result_bytes(self)
 
 
-def _json_list(values: Any) -> list[Any]:
-    """Values of a completion as JSON carries them: a list as it is, a numpy array by its
-    `tolist` (Python numbers, at C speed)."""
+def as_list(values: Any) -> list[Any]:
+    """Token ids or log-probs as a list of Python numbers (what JSON carries, what a list-based
+    trainer builds from): a list as it is, a numpy array by its `tolist` (at C speed)."""
     if type(values) is list:
         return values
     tolist = getattr(values, "tolist", None)
@@ -442,7 +442,13 @@ def is_finite(values: list[float]) -> bool:
 
 @dataclass
 class TrainGroup:
-    """One committed group as the trainer sees it."""
+    """One committed group as the trainer sees it.
+
+    As the trainer's claim reads them from the ledger or the payload store, the prompt's and
+    each completion's token ids are 1-D numpy arrays of int64 and the log-probs read-only 1-D
+    views of float64 over the payload's bytes, not lists: a group of 16 x 8,192 tokens is
+    then a few array slices, not 260,000 Python numbers that a trainer turns into tensors
+    anyway. `as_list` gives lists; `len(...)` (never truthiness) asks for emptiness."""
 
     attempt_id: int
     prompt_token_ids: list[int]

@@ -211,23 +211,28 @@ def encode(prompt_token_ids: Sequence[int], completions: Sequence[Completion]) -
     return Rollout.build(prompt_token_ids, completions).pack(), texts(completions)
 
 
-def decode(rollout: bytes, completion_texts: Sequence[dict[str, Any]]) -> tuple[list[int], list[Completion]]:
-    """`(prompt_token_ids, completions)` of a stored group."""
-    blob = bytes(rollout)
+def decode(
+    rollout: bytes, completion_texts: Sequence[dict[str, Any]], *, arrays: bool = False
+) -> tuple[list[int], list[Completion]]:
+    """`(prompt_token_ids, completions)` of a stored group: lists of Python numbers, or with
+    `arrays` numpy arrays (token ids int64, log-probs read-only float64 views over `rollout`,
+    which they keep alive), as the trainer's claim reads them (`TrainGroup`)."""
+    blob = rollout if arrays and isinstance(rollout, bytes | memoryview) else bytes(rollout)
     if len(blob) < _HEADER.size:
         raise RolloutFormatError(f"a rollout of {len(blob)} bytes is shorter than its header")
     magic, prompt_len, n = _HEADER.unpack_from(blob)
     if magic != _MAGIC:
-        raise RolloutFormatError(f"a rollout starts with {magic!r}, not {_MAGIC!r} (layout version 1)")
+        raise RolloutFormatError(f"a rollout starts with {bytes(magic)!r}, not {_MAGIC!r} (layout version 1)")
     if len(completion_texts) != n:
         raise RolloutFormatError(f"a rollout of {n} completions has {len(completion_texts)} texts")
+    read = _read_array if arrays else _read
     offset = _HEADER.size
     lengths = _read(blob, "I", offset, n)
     offset += 4 * n
     total = sum(lengths)
-    ids = _read(blob, "I", offset, prompt_len + total)
+    ids = read(blob, "I", offset, prompt_len + total)
     offset += 4 * (prompt_len + total)
-    logprobs = _read(blob, "d", offset, total)
+    logprobs = read(blob, "d", offset, total)
     offset += 8 * total
     if offset != len(blob):
         raise RolloutFormatError(f"a rollout has {len(blob) - offset} bytes past its declared end")
@@ -254,9 +259,9 @@ def pack_payload(rollout: Rollout, completion_texts: Sequence[dict[str, Any]]) -
     return b"".join((_PAYLOAD_HEADER.pack(_PAYLOAD_MAGIC, len(packed)), packed, texts_json))
 
 
-def unpack_payload(payload: bytes) -> tuple[list[int], list[Completion]]:
-    """`(prompt_token_ids, completions)` of a stored payload; RolloutFormatError when it is
-    not one."""
+def unpack_payload(payload: bytes, *, arrays: bool = False) -> tuple[list[int], list[Completion]]:
+    """`(prompt_token_ids, completions)` of a stored payload (lists, or numpy arrays with
+    `arrays`, as `decode`); RolloutFormatError when it is not one."""
     blob = memoryview(payload)
     if len(blob) < _PAYLOAD_HEADER.size:
         raise RolloutFormatError(f"a payload of {len(blob)} bytes is shorter than its header")
@@ -272,7 +277,7 @@ def unpack_payload(payload: bytes) -> tuple[list[int], list[Completion]]:
         raise RolloutFormatError(f"a payload's texts are not JSON ({error})") from error
     if not isinstance(texts, list) or not all(isinstance(t, dict) for t in texts):
         raise RolloutFormatError("a payload's texts are not a list of objects")
-    return decode(blob[_PAYLOAD_HEADER.size : end], texts)
+    return decode(blob[_PAYLOAD_HEADER.size : end], texts, arrays=arrays)
 
 
 def checksum(payload: bytes) -> str:
@@ -289,3 +294,17 @@ def _read(blob: bytes, typecode: str, offset: int, count: int) -> list:
     if _BIG_ENDIAN:  # pragma: no cover
         values.byteswap()
     return values.tolist()
+
+
+_DTYPES = {"I": np.dtype("<u4"), "d": np.dtype("<f8")}
+
+
+def _read_array(blob: bytes | memoryview, typecode: str, offset: int, count: int) -> np.ndarray:
+    """`_read` as a numpy array: token ids ("I") widened to int64 (a trainer indexes
+    embeddings with them; unsigned 32-bit is not a tensor type everywhere), log-probs ("d")
+    a read-only view of the bytes."""
+    dtype = _DTYPES[typecode]
+    if offset + dtype.itemsize * count > len(blob):
+        raise RolloutFormatError(f"a rollout of {len(blob)} bytes ends before its {count} values at byte {offset}")
+    values = np.frombuffer(blob, dtype=dtype, count=count, offset=offset)
+    return values.astype(np.int64) if typecode == "I" else values

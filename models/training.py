@@ -171,7 +171,7 @@ def claim_training(
                 groups.append(_Stored(stored, list(group.rewards), group.weight_version))
                 continue
             try:
-                prompt_token_ids, completions = rollout_codec.decode(group.rollout, group.completion_texts)
+                prompt_token_ids, completions = rollout_codec.decode(group.rollout, group.completion_texts, arrays=True)
             except rollout_codec.RolloutFormatError as error:
                 raise rollout_codec.RolloutFormatError(
                     f"run {run_id} step {step}: the stored payload of group {group.attempt_id} does not decode ({error})"

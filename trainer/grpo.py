@@ -37,7 +37,7 @@ from refill.model_loading import (
     load_weights_into,
     model_directory,
 )
-from refill.models.payload import TrainGroup
+from refill.models.payload import TrainGroup, as_list
 from refill.trainer import checkpoints, sharding
 from refill.trainer.advantages import group_advantages, shape_rewards
 from refill.trainer.distributed import World, agreed, peak_memory_bytes, reset_peak_memory
@@ -287,7 +287,7 @@ class GRPOTrainer:
                     f"attempt {group.attempt_id} has {len(group.completions)} completions and "
                     f"{len(group.rewards)} rewards; a group needs one reward per completion"
                 )
-            if not group.prompt_token_ids:
+            if len(group.prompt_token_ids) == 0:
                 raise ValueError(
                     f"attempt {group.attempt_id} has no prompt tokens; the first completion "
                     "token needs at least one token to be predicted from"
@@ -307,7 +307,7 @@ class GRPOTrainer:
                 leave_one_out=s.grpo.use_leave_one_out_baseline,
             )
             for completion, advantage in zip(group.completions, advantages, strict=True):
-                if not completion.token_ids:
+                if len(completion.token_ids) == 0:
                     continue
                 if need_sampling and len(completion.logprobs) != len(completion.token_ids):
                     raise ValueError(
@@ -317,10 +317,10 @@ class GRPOTrainer:
                     )
                 sequences.append(
                     TrainSequence(
-                        prompt_ids=list(group.prompt_token_ids),
-                        completion_ids=list(completion.token_ids),
+                        prompt_ids=as_list(group.prompt_token_ids),
+                        completion_ids=as_list(completion.token_ids),
                         advantage=advantage,
-                        sampling_logprobs=list(completion.logprobs) if need_sampling else [],
+                        sampling_logprobs=as_list(completion.logprobs) if need_sampling else [],
                         attempt_id=group.attempt_id,
                     )
                 )

@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 
 
 class Trainer(Protocol):
+    """What a trainer worker drives. `train_step`'s groups hold numpy arrays (`TrainGroup`)."""
+
     version: int | None
 
     def restore(self, version: int) -> None: ...

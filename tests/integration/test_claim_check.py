@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from sqlalchemy import select, update
 
@@ -21,6 +22,7 @@ from refill.models.payload import (
     Completion,
     GenerateMessage,
     ResultMessage,
+    as_list,
 )
 from refill.models.payload_store import (
     DamagedPayload,
@@ -105,7 +107,11 @@ def test_a_claim_check_commits_its_reference_and_the_trainer_reads_the_group(d: 
     assert [g.attempt_id for g in batch.groups] == [d.slot(0, i).group_attempt_id for i in range(4)]
     for group in batch.groups:
         if group.attempt_id in claims.stored:
-            assert (group.prompt_token_ids, group.completions) == claims.stored[group.attempt_id]
+            prompt, completions = claims.stored[group.attempt_id]
+            # The trainer gets numpy arrays (TrainGroup), equal to what the worker stored.
+            assert (as_list(group.prompt_token_ids), group.completions) == (prompt, completions)
+            assert group.prompt_token_ids.dtype == np.int64
+            assert all(c.token_ids.dtype == np.int64 and c.logprobs.dtype == np.float64 for c in group.completions)
         assert group.rewards == SPREAD and group.weight_version == 0
     assert d.finish_training(0)
     # A trained group's payload stays (the run's retention decides); nothing was discarded.

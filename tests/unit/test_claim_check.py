@@ -7,6 +7,7 @@ import json
 import os
 import random
 
+import numpy as np
 import pytest
 
 from refill.models import rollout_codec
@@ -18,6 +19,7 @@ from refill.models.payload import (
     PayloadError,
     PayloadRef,
     ResultMessage,
+    as_list,
     estimated_body_bytes,
     payload_name,
 )
@@ -181,6 +183,13 @@ def test_a_payload_reads_back_exactly(n: int, tokens: int) -> None:
     payload = rollout_codec.pack_payload(rollout_codec.Rollout.build(prompt, completions), rollout_codec.texts(completions))
     assert payload[:4] == b"RFP\x01"
     assert rollout_codec.unpack_payload(payload) == (prompt, completions)
+    # As the trainer's claim reads it: numpy arrays (int64 ids, float64 log-probs viewing the
+    # payload's bytes, read-only), the same values.
+    prompt_array, arrays = rollout_codec.unpack_payload(payload, arrays=True)
+    assert prompt_array.dtype == np.int64 and as_list(prompt_array) == prompt and arrays == completions
+    for completion in arrays:
+        assert completion.token_ids.dtype == np.int64 and completion.logprobs.dtype == np.float64
+        assert not completion.logprobs.flags.writeable
     assert rollout_codec.checksum(payload).startswith("sha256:") and len(rollout_codec.checksum(payload)) == 71
 
 
@@ -192,13 +201,25 @@ def test_a_payload_reads_back_exactly(n: int, tokens: int) -> None:
         (lambda p: p[:8] + p[8:40], "declares a rollout of"),
         (lambda p: p[:-3], "texts are not JSON"),
         (lambda p: p + b"  7", "texts are not JSON"),
+        (lambda p: _rollout_cut(p, 8), "ends before its 10 values"),
+        (lambda p: _rollout_cut(p, -8), "8 bytes past its declared end"),
     ],
 )
-def test_a_damaged_payload_does_not_decode(damage, message: str) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("arrays", [False, True])
+def test_a_damaged_payload_does_not_decode(damage, message: str, arrays: bool) -> None:  # type: ignore[no-untyped-def]
     prompt, completions = _group(2, 5)
     payload = rollout_codec.pack_payload(rollout_codec.Rollout.build(prompt, completions), rollout_codec.texts(completions))
     with pytest.raises(rollout_codec.RolloutFormatError, match=message):
-        rollout_codec.unpack_payload(damage(payload))
+        rollout_codec.unpack_payload(damage(payload), arrays=arrays)
+
+
+def _rollout_cut(payload: bytes, count: int) -> bytes:
+    """The payload with its rollout's last `count` bytes cut (or `-count` zero bytes added),
+    the payload's header saying so: a rollout shorter (longer) than its own header declares."""
+    size = int.from_bytes(payload[4:8], "little")
+    end = 8 + size
+    rollout = payload[8:end][: size - count] if count > 0 else payload[8:end] + bytes(-count)
+    return payload[:4] + len(rollout).to_bytes(4, "little") + rollout + payload[end:]
 
 
 # --- the file store ---------------------------------------------------------------------------
@@ -248,7 +269,8 @@ def test_read_groups_verifies_each_group_against_what_the_ledger_committed(tmp_p
     payload = rollout_codec.pack_payload(rollout_codec.Rollout.build(prompt, completions), rollout_codec.texts(completions))
     refs = [store.put(i, payload) for i in (1, 2)]
     good = [StoredGroup(i, ref, 3, 21) for i, ref in zip((1, 2), refs, strict=True)]
-    assert read_groups(store, good, "run 1 step 0") == [(prompt, completions)] * 2
+    read = read_groups(store, good, "run 1 step 0")
+    assert [(as_list(p), c) for p, c in read] == [(prompt, completions)] * 2
     with pytest.raises(DamagedPayload, match=r"run 1 step 4: the payload of group 2 \(.*\) holds 3 completions of 21 tokens, the ledger committed 3 of 20"):
         read_groups(store, [good[0], StoredGroup(2, refs[1], 3, 20)], "run 1 step 4")
     os.unlink(store.path(refs[0].name))

@@ -8,9 +8,11 @@ import math
 import shutil
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
+from refill.models import rollout_codec
 from refill.trainer.grpo import GRPOTrainer, lr_multiplier
 from refill.trainer.settings import read_settings
 from refill.trainer.weights import checkpoint_versions, published_versions, weights_dir
@@ -222,6 +224,30 @@ def test_too_stale_or_future_groups_are_refused(settings, tmp_path):
     with pytest.raises(ValueError, match="staleness -3"):
         trainer.train_step(2, future)
     assert trainer.version == 2  # refused steps change nothing
+
+
+def test_groups_as_the_claim_reads_them_train_as_lists_do(settings, tmp_path):
+    """The claim hands the trainer numpy arrays (a payload decoded with `arrays=True`): the
+    step is the one the same groups as lists make, an empty completion skipped alike."""
+    settings.loss.use_importance_sampling_correction = True
+    groups = make_groups(step=0, seed=5)
+    groups[2].completions[1] = dataclasses.replace(groups[2].completions[1], token_ids=[], logprobs=[])
+    as_arrays = []
+    for group in groups:
+        packed = rollout_codec.Rollout.build(group.prompt_token_ids, group.completions).pack()
+        prompt, completions = rollout_codec.decode(packed, rollout_codec.texts(group.completions), arrays=True)
+        assert isinstance(prompt, np.ndarray) and all(isinstance(c.token_ids, np.ndarray) for c in completions)
+        as_arrays.append(dataclasses.replace(group, prompt_token_ids=prompt, completions=completions))
+    metrics = []
+    params = []
+    for these in (groups, as_arrays):
+        trainer = GRPOTrainer(settings, tmp_path / f"run-{len(metrics)}")
+        trainer.restore(0)
+        metrics.append(trainer.train_step(0, these))
+        params.append(_params(trainer))
+    assert metrics[0]["tokens"] == metrics[1]["tokens"] > 0
+    assert metrics[0]["loss"] == metrics[1]["loss"]
+    _assert_same_params(params[0], params[1], atol=0.0)
 
 
 def test_bad_group_shapes_are_named(settings, tmp_path):
