@@ -131,23 +131,25 @@ def start_attempts(
     table = Attempt.__table__
     runs = Run.__table__
     running = select(runs.c.id).where(runs.c.id == run_id, runs.c.status == RunStatus.RUNNING.value).exists()
-    can_start = _can_start(run_id)
-    # The rows locked first, in id order (so two handshakes that share attempts wait on each
-    # other rather than deadlock), or, with `wait=False`, only those no one holds.
-    chosen = table.c.id.in_(
-        select(table.c.id)
-        .where(table.c.id.in_(attempt_ids), *can_start)
+    # The attempts' rows locked first, by primary key alone and in id order (so two handshakes
+    # that share attempts wait on each other rather than deadlock), or, with `wait=False`, only
+    # those no one holds; then those of the run still startable are updated. Materialized and
+    # found by id alone, so that no plan can reach them through the run's other attempts: with
+    # the run and the live states beside the ids, PostgreSQL chose the index of the run's live
+    # attempts whenever its statistics had not yet seen the run's rows (a new run, a fresh
+    # database), and ran the locking subquery once for each of them: 10 ms and 16,000 buffers
+    # for 8 attempts of a 1,024-prompt step, where this is 8 index lookups.
+    locked = (
+        select(table.c.id, table.c.run_id, table.c.state)
+        .where(table.c.id.in_(attempt_ids))
         .order_by(table.c.id)
         .with_for_update(key_share=True, skip_locked=not wait)
-        .scalar_subquery()
+        .cte("handshake")
+        .prefix_with("MATERIALIZED")
     )
     rows = session.execute(
         update(table)
-        .where(
-            chosen,
-            *can_start,
-            running,
-        )
+        .where(table.c.id == locked.c.id, locked.c.run_id == run_id, locked.c.state.in_(_STARTABLE), running)
         .values(
             state=AttemptState.RUNNING.value,
             worker=worker[:200],
@@ -172,10 +174,13 @@ def startable(session: Session, run_id: int, attempt_ids: list[int]) -> list[int
     return list(session.scalars(select(table.c.id).where(table.c.id.in_(attempt_ids), *_can_start(run_id))))
 
 
+_STARTABLE = (AttemptState.PENDING.value, AttemptState.QUEUED.value)
+
+
 def _can_start(run_id: int) -> tuple[Any, Any]:
     """An attempt of `run_id` that a worker may still take: pending or queued."""
     table = Attempt.__table__
-    return table.c.run_id == run_id, table.c.state.in_([AttemptState.PENDING.value, AttemptState.QUEUED.value])
+    return table.c.run_id == run_id, table.c.state.in_(_STARTABLE)
 
 
 def extend_lease(session: Session, attempt_id: int, worker: str, seconds: float, now: datetime | None = None) -> bool:

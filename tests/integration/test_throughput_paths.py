@@ -67,6 +67,50 @@ def test_start_attempts_leases_pending_and_queued_attempts_of_a_running_run_only
     assert ledger.transaction(lambda s: start_attempts(s, d.run_id, [fourth], "w1", 30.0, d.now)) == {}
 
 
+def test_a_handshake_finds_its_attempts_by_id_whatever_the_statistics_say(pg_ledger) -> None:  # type: ignore[no-untyped-def]
+    """A new run's attempts are not in PostgreSQL's statistics yet (here: a fresh database,
+    never analyzed). A handshake of 8 attempts must still reach them by id, not through the
+    run's 2,000 live attempts: with the run beside the ids, the planner ran its locking
+    subquery once per live attempt (16,000 buffers). Measured by the buffers it touches."""
+    import json
+
+    from sqlalchemy import event
+
+    d = Driver(pg_ledger, {"grpo": {"num_prompts_per_step": 512, "num_generations_per_prompt": 4}}, num_prompts=1200)
+    d.admit()
+    queued = [m.body["attempt_id"] for m in d.relay() if m.kind == "generate"]
+    assert len(queued) >= 500
+    statements: list[tuple[str, dict]] = []  # type: ignore[type-arg]
+
+    def record(conn, cursor, statement, parameters, context, executemany):  # type: ignore[no-untyped-def]
+        if "UPDATE attempts" in statement:
+            statements.append((statement, parameters))
+
+    event.listen(pg_ledger.engine, "before_cursor_execute", record)
+    try:
+        leases = pg_ledger.transaction(lambda s: start_attempts(s, d.run_id, queued[:8], "w1", 30.0, wait=False))
+    finally:
+        event.remove(pg_ledger.engine, "before_cursor_execute", record)
+    assert set(leases) == set(queued[:8])
+    (statement, parameters), = statements
+    # The same statement for the next 8 attempts, explained as it runs (then rolled back).
+    ids = iter(queued[8:16])
+    parameters = {k: next(ids) if k.startswith("id_1_") else v for k, v in parameters.items()}
+    raw = pg_ledger.engine.raw_connection()
+    try:
+        cursor = raw.cursor()
+        cursor.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + statement, parameters)
+        plan = cursor.fetchone()[0]
+        raw.rollback()
+    finally:
+        raw.close()
+    plan = plan if isinstance(plan, list) else json.loads(plan)
+    top = plan[0]["Plan"]
+    buffers = top.get("Shared Hit Blocks", 0) + top.get("Shared Read Blocks", 0)
+    assert top["Actual Rows"] == 8
+    assert buffers < 1000, f"the handshake touched {buffers} buffers for 8 attempts"
+
+
 def test_a_worker_handshake_and_heartbeat_write_the_ledger_clock_without_reading_it_first(ledger) -> None:  # type: ignore[no-untyped-def]
     """A worker passes no clock: the lease is written with the database's (PostgreSQL's
     now(), inside the statement: no round trip of its own), and the heartbeat the same way."""
