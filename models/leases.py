@@ -12,12 +12,13 @@ judged until its holder has had a full lease to renew it (`expire_leases`).
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import case, select, update
+from sqlalchemy import DateTime, Integer, Interval, Update, bindparam, case, func, select, update
 from sqlalchemy.orm import Session
 
 from refill.models.barrier import queue_training
@@ -127,42 +128,70 @@ def start_attempts(
     if not attempt_ids:
         return {}
     now = ledger_now_in(session, now)
-    floor = engine_version if engine_version is not None else 0
-    table = Attempt.__table__
-    runs = Run.__table__
-    running = select(runs.c.id).where(runs.c.id == run_id, runs.c.status == RunStatus.RUNNING.value).exists()
-    # The attempts' rows locked first, by primary key alone and in id order (so two handshakes
-    # that share attempts wait on each other rather than deadlock), or, with `wait=False`, only
-    # those no one holds; then those of the run still startable are updated. Materialized and
-    # found by id alone, so that no plan can reach them through the run's other attempts: with
-    # the run and the live states beside the ids, PostgreSQL chose the index of the run's live
-    # attempts whenever its statistics had not yet seen the run's rows (a new run, a fresh
-    # database), and ran the locking subquery once for each of them: 10 ms and 16,000 buffers
-    # for 8 attempts of a 1,024-prompt step, where this is 8 index lookups.
+    server_clock = not isinstance(now, datetime)
+    parameters: dict[str, Any] = {
+        "b_ids": list(attempt_ids),
+        "b_run_id": run_id,
+        "b_worker": worker[:200],
+        "b_floor": engine_version if engine_version is not None else 0,
+    }
+    if server_clock:
+        parameters["b_lease"] = timedelta(seconds=lease_seconds)
+    else:
+        parameters["b_now"], parameters["b_leased_until"] = now, now + timedelta(seconds=lease_seconds)
+    rows = session.execute(_handshake(wait, server_clock), parameters).all()
+    return {int(i): Lease(int(i), run_id, int(version), lease_seconds) for i, version in rows}
+
+
+@functools.cache
+def _handshake(wait: bool, server_clock: bool) -> Update:
+    """`start_attempts`' statement, built once per process for each (wait, clock) and run with
+    its values as parameters: a worker runs it for every bundle, and building it (a CTE, two
+    CASEs, an EXISTS) and its cache key took more of the worker's CPU than running it.
+
+    The attempts' rows are locked first, by primary key alone and in id order (so two
+    handshakes that share attempts wait on each other rather than deadlock), or, with
+    `wait=False`, only those no one holds; then those of the run still startable are updated.
+    Materialized and found by id alone, so that no plan can reach them through the run's other
+    attempts: with the run and the live states beside the ids, PostgreSQL chose the index of
+    the run's live attempts whenever its statistics had not yet seen the run's rows (a new run,
+    a fresh database), and ran the locking subquery once for each of them: 10 ms and 16,000
+    buffers for 8 attempts of a 1,024-prompt step, where this is 8 index lookups.
+
+    `server_clock`: the lease is written with the database's `now()` (a worker's), else with
+    the `b_now` and `b_leased_until` parameters (a test's or a simulation's clock, SQLite's)."""
+    table, runs = Attempt.__table__, Run.__table__
+    run = bindparam("b_run_id", type_=Integer)
+    floor = bindparam("b_floor", type_=Integer)
+    if server_clock:
+        # Typed as a plain timestamp: `now() + interval` is then an interval sum.
+        now = func.now(type_=DateTime(timezone=True))
+        leased_until = now + bindparam("b_lease", type_=Interval())
+    else:
+        now = bindparam("b_now", type_=table.c.started_at.type)
+        leased_until = bindparam("b_leased_until", type_=table.c.leased_until.type)
     locked = (
         select(table.c.id, table.c.run_id, table.c.state)
-        .where(table.c.id.in_(attempt_ids))
+        .where(table.c.id.in_(bindparam("b_ids", expanding=True)))
         .order_by(table.c.id)
         .with_for_update(key_share=True, skip_locked=not wait)
         .cte("handshake")
         .prefix_with("MATERIALIZED")
     )
-    rows = session.execute(
+    running = select(runs.c.id).where(runs.c.id == run, runs.c.status == RunStatus.RUNNING.value).exists()
+    return (
         update(table)
-        .where(table.c.id == locked.c.id, locked.c.run_id == run_id, locked.c.state.in_(_STARTABLE), running)
+        .where(table.c.id == locked.c.id, locked.c.run_id == run, locked.c.state.in_(_STARTABLE), running)
         .values(
             state=AttemptState.RUNNING.value,
-            worker=worker[:200],
+            worker=bindparam("b_worker", type_=table.c.worker.type),
             started_at=now,
             dispatched_at=case((table.c.dispatched_at.is_(None), now), else_=table.c.dispatched_at),
-            leased_until=now + timedelta(seconds=lease_seconds),
-            min_weight_version=case(
-                (table.c.min_weight_version < floor, floor), else_=table.c.min_weight_version
-            ),
+            leased_until=leased_until,
+            min_weight_version=case((table.c.min_weight_version < floor, floor), else_=table.c.min_weight_version),
         )
         .returning(table.c.id, table.c.min_weight_version)
-    ).all()
-    return {int(i): Lease(int(i), run_id, int(version), lease_seconds) for i, version in rows}
+    )
 
 
 def startable(session: Session, run_id: int, attempt_ids: list[int]) -> list[int]:

@@ -94,8 +94,9 @@ def test_a_handshake_finds_its_attempts_by_id_whatever_the_statistics_say(pg_led
     assert set(leases) == set(queued[:8])
     (statement, parameters), = statements
     # The same statement for the next 8 attempts, explained as it runs (then rolled back).
+    # (The ids are the statement's expanding parameter `b_ids`, one `b_ids_N` per id.)
     ids = iter(queued[8:16])
-    parameters = {k: next(ids) if k.startswith("id_1_") else v for k, v in parameters.items()}
+    parameters = {k: next(ids) if k.startswith("b_ids_") else v for k, v in parameters.items()}
     raw = pg_ledger.engine.raw_connection()
     try:
         cursor = raw.cursor()
