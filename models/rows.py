@@ -530,19 +530,13 @@ def _unnest_update(session: Session, table: Table, primary: list[str], keys: lis
     arrays: dict[str, list[Any]] = {}
     casts = []
     for i, name in enumerate(primary):
-        arrays[f"k{i}"] = [row.__dict__[name] for row in rows]
+        arrays[f"k{i}"] = sql.driver_values(dialect, table.c[name], [row.__dict__[name] for row in rows])
         casts.append(f"CAST(:k{i} AS {table.c[name].type.compile(dialect)}[])")
     for i, key in enumerate(keys):
         column = table.c[key]
-        values = [row.__dict__[key] for row in rows]
-        if isinstance(column.type, JSON):
-            # As the JSON type writes a value (None included: JSON null, not SQL NULL).
-            values = [json.dumps(value) for value in values]
-        else:
-            process = column.type._cached_bind_processor(dialect)
-            if process is not None:
-                values = [process(value) for value in values]
-        arrays[f"c{i}"] = values
+        # As a per-row update writes each value: a JSON None is JSON null, an int in a float
+        # column a float (psycopg refuses an array of mixed types).
+        arrays[f"c{i}"] = sql.driver_values(dialect, column, [row.__dict__[key] for row in rows])
         casts.append(f"CAST(:c{i} AS {column.type.compile(dialect)}[])")
     assignments = ", ".join(f"{key} = v.{key}" for key in keys)
     match = " AND ".join(f"t.{name} = v.{name}" for name in primary)

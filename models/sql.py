@@ -274,13 +274,13 @@ def insert_rows(executor: Session | Connection, table: Table, rows: list[dict[st
         connection.execute(insert(table), rows)
         return
     names = list(rows[0])
-    columns = [_copy_column(dialect, table.c[name], [row[name] for row in rows]) for name in names]
+    columns = [driver_values(dialect, table.c[name], [row[name] for row in rows]) for name in names]
     for column in table.columns:
         if column.key not in rows[0] and column.default is not None:
             if not column.default.is_scalar:
                 raise ValueError(f"insert_rows: give {table.name}.{column.key} a value (its default is computed)")
             names.append(column.key)
-            columns.append(_copy_column(dialect, column, [column.default.arg] * len(rows)))
+            columns.append(driver_values(dialect, column, [column.default.arg] * len(rows)))
     statement = f"COPY {table.name} ({', '.join(names)}) FROM STDIN"
     raw = connection.connection.driver_connection
     # Listeners of the engine (statement counts, `bench overhead --rtt-ms`, tests) see the COPY
@@ -306,9 +306,10 @@ def insert_rows(executor: Session | Connection, table: Table, rows: list[dict[st
 _ITEM_TYPE: tuple[tuple[type, type], ...] = ((Boolean, bool), (Float, float), (Integer, int), (String, str))
 
 
-def _copy_column(dialect: Any, column: Any, values: list[Any]) -> list[Any]:
-    """`column`'s values as the driver must get them: through the column type's bind
-    processor, a JSON value as its text, each value of the column's own Python type."""
+def driver_values(dialect: Any, column: Any, values: list[Any]) -> list[Any]:
+    """`column`'s values as the driver must get them for COPY or one array parameter: through
+    the column type's bind processor, a JSON value as its text, each value of the column's own
+    Python type (psycopg refuses a list of mixed types, such as an int beside floats)."""
     kind = column.type
     if isinstance(kind, JSON):
         return [None if isinstance(value, Null) else json.dumps(value) for value in values]

@@ -234,6 +234,43 @@ def test_integers_booleans_and_floats_are_written_exactly_with_nulls_and_non_fin
         assert row.num_tokens == (2**31 - 1, 0, None, -7)[n]
 
 
+def test_a_column_of_mixed_python_types_is_written_as_a_per_row_update_writes_it(pg_ledger) -> None:  # type: ignore[no-untyped-def]
+    """One array parameter per column of `UPDATE ... FROM unnest`: a whole number beside
+    floats in a float column, a bool beside ints in an integer column and an enum member beside
+    a string are written as a per-row update writes them, a JSON None as JSON null (not SQL
+    NULL), a column of NULLs as NULLs."""
+    from refill.models.tables import AttemptState
+
+    d = Driver(pg_ledger, check=False)  # rows changed by hand, not by the ledger's rules
+    d.admit()
+    with updates(pg_ledger) as seen, pg_ledger.session() as session:
+        store = RowStore(session)
+        attempts, _ = _load(store, d.run_id)
+        attempts = attempts[:4]
+        for n, attempt in enumerate(attempts):
+            attempt.reward_mean = (1, 0.5, -3, None)[n]
+            attempt.num_tokens = (True, 7, False, None)[n]
+            attempt.state = (AttemptState.RUNNING, "queued", AttemptState.QUEUED, "running")[n]
+            attempt.rewards = ([1, 0.5], None, [], [None])[n]
+            attempt.error = None if n else "x"
+            attempt.worker = None
+        assert store.write() == 4
+    assert len(seen) == 1 and "unnest" in seen[0]
+    with pg_ledger.session() as session:
+        back = {row.id: row for row in session.scalars(select(Attempt).where(Attempt.id.in_([a.id for a in attempts])))}
+        sql_null_rewards = session.scalars(
+            select(Attempt.id).where(Attempt.id.in_([a.id for a in attempts]), Attempt.rewards.is_(None))
+        ).all()
+    rows = [back[a.id] for a in attempts]
+    assert [r.reward_mean for r in rows] == [1.0, 0.5, -3.0, None]
+    assert [type(r.reward_mean) for r in rows[:3]] == [float] * 3
+    assert [r.num_tokens for r in rows] == [1, 7, 0, None]
+    assert [r.state for r in rows] == ["running", "queued", "queued", "running"]
+    assert [r.rewards for r in rows] == [[1, 0.5], None, [], [None]]
+    assert sql_null_rewards == []  # the None is JSON null
+    assert [r.error for r in rows] == ["x", None, None, None] and {r.worker for r in rows} == {None}
+
+
 def test_a_list_of_ids_is_one_parameter_and_the_statement_the_same_for_every_list(ledger) -> None:  # type: ignore[no-untyped-def]
     """`sql.ids_in`: the ids bound as one array (a JSON array on SQLite), so PostgreSQL sees
     one statement text whatever the list's length, and psycopg prepares it."""
