@@ -247,13 +247,13 @@ class StoredGroup:
 
 def read_groups(
     store: FileStore, groups: list[StoredGroup], where: str
-) -> list[tuple[list[int], list[Completion]]]:
+) -> list[tuple[Sequence[int], list[Completion]]]:
     """`(prompt_token_ids, completions)` of each group (numpy arrays, as `TrainGroup` holds
     them), read and verified (size, checksum, layout, and the group's size and token count as
     committed), in order. A damaged payload
     raises DamagedPayload naming `where` (the run and step) and the group."""
 
-    def one(group: StoredGroup) -> tuple[list[int], list[Completion]]:
+    def one(group: StoredGroup) -> tuple[Sequence[int], list[Completion]]:
         try:
             prompt, completions = rollout_codec.unpack_payload(store.read(group.ref), arrays=True)
         except rollout_codec.RolloutFormatError as error:

@@ -213,7 +213,7 @@ def encode(prompt_token_ids: Sequence[int], completions: Sequence[Completion]) -
 
 def decode(
     rollout: bytes, completion_texts: Sequence[dict[str, Any]], *, arrays: bool = False
-) -> tuple[list[int], list[Completion]]:
+) -> tuple[Sequence[int], list[Completion]]:
     """`(prompt_token_ids, completions)` of a stored group: lists of Python numbers, or with
     `arrays` numpy arrays (token ids int64, log-probs read-only float64 views over `rollout`,
     which they keep alive), as the trainer's claim reads them (`TrainGroup`)."""
@@ -259,7 +259,7 @@ def pack_payload(rollout: Rollout, completion_texts: Sequence[dict[str, Any]]) -
     return b"".join((_PAYLOAD_HEADER.pack(_PAYLOAD_MAGIC, len(packed)), packed, texts_json))
 
 
-def unpack_payload(payload: bytes, *, arrays: bool = False) -> tuple[list[int], list[Completion]]:
+def unpack_payload(payload: bytes, *, arrays: bool = False) -> tuple[Sequence[int], list[Completion]]:
     """`(prompt_token_ids, completions)` of a stored payload (lists, or numpy arrays with
     `arrays`, as `decode`); RolloutFormatError when it is not one."""
     blob = memoryview(payload)

@@ -302,7 +302,8 @@ def insert_rows(executor: Session | Connection, table: Table, rows: list[dict[st
 
 #: The Python type each column type's values are written as. COPY takes the driver's text
 #: of each value as it is, where a Core insert casts its parameter to the column's type: a bool
-#: in an integer column would be 't', not 1.
+#: in an integer column would be 't', not 1. An array parameter (`UPDATE ... FROM unnest`)
+#: must hold one type: psycopg refuses an int beside floats.
 _ITEM_TYPE: tuple[tuple[type, type], ...] = ((Boolean, bool), (Float, float), (Integer, int), (String, str))
 
 
