@@ -21,7 +21,7 @@ Printed beside them, not part of the total: the generation workers' lease handsh
 reading and checking of its stored payloads (claim checks) that the trainer does after the claim.
 
 How a group travels (`--payload-store`, `infra.payloads.store`): `files` (the default) stores
-it in the run's payload store in the worker (`refill.tasks.generation.claim_check`, outside the
+it in the run's payload store in the worker (`refill.tasks.claim_checks.claim_check`, outside the
 timers) and the consumer records a claim check of a few hundred bytes, removing the payloads it
 discards after its commit (inside the record phase); `inline` sends it in the result message.
 Printed after the phases: the consumer's CPU ms per result (the record phase: decoding,
@@ -158,7 +158,7 @@ def one_step(
     from refill.rewards.loader import load_reward_fn
     from refill.rewards.scoring import score_group
     from refill.tasks.backends.sim import SimEngine
-    from refill.tasks.generation import claim_check
+    from refill.tasks.claim_checks import claim_check
     from refill.tasks.relay import GENERATE_BUNDLE
     from refill.tasks.setup import format_prompt
 

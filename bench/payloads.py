@@ -8,7 +8,7 @@ the real code on a fresh PostgreSQL database (the sim back-end's completions, th
 rewards and decisions at every length):
 
 worker    what a generation worker does with a finished group before sending it, CPU ms per
-          result: `files` checks, packs and stores it (`refill.tasks.generation.claim_check`,
+          result: `files` checks, packs and stores it (`refill.tasks.claim_checks.claim_check`,
           fsync included), both encode the body to JSON
 redis     the bytes Redis holds for a result in flight: the list entry of a lone result
           message (kombu's envelope around the base64 JSON body, headers included), and per
@@ -231,8 +231,8 @@ def one(url: str, args: argparse.Namespace, tokens: int, store: str, probe: Redi
     from refill.rewards.loader import load_reward_fn
     from refill.rewards.scoring import score_group
     from refill.tasks.backends.sim import SimEngine
+    from refill.tasks.claim_checks import claim_check
     from refill.tasks.consumer import ResultConsumer
-    from refill.tasks.generation import claim_check
     from refill.tasks.setup import format_prompt
 
     output_dir = tempfile.mkdtemp(prefix="refill-bench-payloads-")

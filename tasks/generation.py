@@ -23,14 +23,12 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 from sqlalchemy import select
 
 from refill.config import RunConfig, from_snapshot
 from refill.microbatcher import MicroBatcher
-from refill.models import decisions, rollout_codec
 from refill.models.db import Ledger
 from refill.models.leases import Lease, extend_leases, start_attempts, startable
 from refill.models.payload import (
@@ -48,6 +46,7 @@ from refill.rewards.scoring import RewardError, score_group
 from refill.tasks.backends import make_engine
 from refill.tasks.backends.engine_batching import BatchingEngine
 from refill.tasks.chaos import WorkerChaos
+from refill.tasks.claim_checks import claim_check, oversized_error, publish_batch
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +100,7 @@ class GenerationService:
         # batch) go into place in one batch, with one directory fsync for all of them; as the
         # handshakes, the first goes at once and those staged meanwhile share the next.
         self._publishes: MicroBatcher[tuple[FileStore, Staged], None] = MicroBatcher(
-            _publish, max_batch=1024, max_wait_ms=0.0, name="payload-publish"
+            publish_batch, max_batch=1024, max_wait_ms=0.0, name="payload-publish"
         )
         self._weights: dict[int, tuple[float, tuple[int, str | None] | None]] = {}
         # Threads for the attempts of bundled messages (started as needed): each task thread
@@ -248,7 +247,7 @@ class GenerationService:
             # Inline, the message is the result: its estimated JSON is what the limit bounds.
             size = estimated_result_bytes(output)
             if size > run_engine.max_result_bytes:
-                return failure("data", _oversized(size, run_engine.max_result_bytes), output.weight_version)
+                return failure("data", oversized_error(size, run_engine.max_result_bytes), output.weight_version)
         try:
             rewards = score_group(run_engine.reward_fn, [c.text for c in output.completions], message.row)
         except RewardError as error:
@@ -367,84 +366,6 @@ def _run_config_and_dir(session, run_id: int) -> tuple[RunConfig, str]:  # type:
     if row is None:
         raise LookupError(f"there is no run {run_id} in the ledger")
     return from_snapshot(row.config, source=f"run {run_id}'s stored config"), row.run_dir
-
-
-def _publish(batch: list[tuple[FileStore, Staged]]) -> list[None]:
-    """Put the staged payloads of a batch into place: one `FileStore.publish` per store (one
-    directory fsync per directory). An error fails every result of the batch (infra)."""
-    by_store: dict[Path, tuple[FileStore, list[Staged]]] = {}
-    for store, staged in batch:
-        by_store.setdefault(store.root, (store, []))[1].append(staged)
-    for store, staged_list in by_store.values():
-        store.publish(staged_list)
-    return [None] * len(batch)
-
-
-def claim_check(
-    result: ResultMessage,
-    store: FileStore,
-    settings: LedgerSettings,
-    max_result_bytes: int,
-    *,
-    publish: Callable[[FileStore, Staged], None] | None = None,
-) -> ClaimCheckResult:
-    """The claim check of a finished group (`result`, inline): the group checked (as the ledger
-    would check it inline, here where it is cheapest), packed and stored in the run's payload
-    store, and the small message that names it. A group that cannot be used is a data failure
-    and one that cannot be stored an infra failure, with nothing stored.
-
-    The payload is written and fsynced here (`FileStore.stage`), then put into place by
-    `publish` (by default at once, `FileStore.publish`; the generation service batches the
-    payloads of attempts that finish together); either way it is durably in the store before
-    this returns the message that names it."""
-
-    def failure(kind: str, error: str) -> ClaimCheckResult:
-        return ClaimCheckResult(
-            run_id=result.run_id,
-            attempt_id=result.attempt_id,
-            worker=result.worker,
-            weight_version=result.weight_version,
-            error_kind=kind,
-            error=error,
-            generation_seconds=result.generation_seconds,
-        )
-
-    problem, rollout = decisions.checked_payload(result, settings.group_size, settings.vocab_size)
-    if problem is not None:
-        return failure("data", problem)
-    assert rollout is not None  # no problem: checked_payload built it
-    payload = rollout_codec.pack_payload(rollout, rollout_codec.texts(result.completions))
-    if len(payload) > max_result_bytes:
-        return failure("data", _oversized(len(payload), max_result_bytes))
-    try:
-        staged = store.stage(result.attempt_id, payload)
-        if publish is None:
-            store.publish([staged])
-        else:
-            publish(store, staged)
-    except OSError as error:
-        # The shared storage is full or unreachable from this worker: an infra failure, so the
-        # prompt is tried again (elsewhere, or once the storage is back).
-        log.warning("attempt %s: storing its payload under %s failed: %r", result.attempt_id, store.root, error)
-        return failure("infra", f"could not store the payload under {store.root}: {error}")
-    return ClaimCheckResult(
-        run_id=result.run_id,
-        attempt_id=result.attempt_id,
-        worker=result.worker,
-        weight_version=result.weight_version,
-        rewards=result.rewards,
-        generation_seconds=result.generation_seconds,
-        payload=staged.ref,
-        prompt_length=len(result.prompt_token_ids),
-        lengths=[len(c.token_ids) for c in result.completions],
-    )
-
-
-def _oversized(size: int, limit: int) -> str:
-    return (
-        f"result of about {size} bytes exceeds infra.max_result_bytes={limit}; "
-        "lower generation.max_new_tokens or raise the limit"
-    )
 
 
 class LeaseKeeper:

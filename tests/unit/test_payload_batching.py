@@ -16,7 +16,7 @@ from refill.microbatcher import MicroBatcher
 from refill.models import decisions, payload_store, rollout_codec
 from refill.models.payload import PAYLOAD_BUCKET, Completion, GenerationRequest, ResultMessage
 from refill.models.payload_store import FileStore
-from refill.tasks import generation
+from refill.tasks import claim_checks
 from refill.tasks.backends.sim import SimEngine
 
 
@@ -81,7 +81,7 @@ def test_claim_checks_finished_together_share_a_directory_fsync(tmp_path, monkey
     store = FileStore.of_run(tmp_path)
     settings = SimpleNamespace(group_size=4, vocab_size=100)
     engine = SimEngine(tokens_per_completion=16)
-    publishes = MicroBatcher(generation._publish, max_batch=1024, max_wait_ms=0.0, name="test-publish")
+    publishes = MicroBatcher(claim_checks.publish_batch, max_batch=1024, max_wait_ms=0.0, name="test-publish")
     results: dict[int, object] = {}
 
     def attempt(attempt_id: int) -> None:
@@ -91,7 +91,7 @@ def test_claim_checks_finished_together_share_a_directory_fsync(tmp_path, monkey
             run_id=1, attempt_id=attempt_id, worker="w", weight_version=0,
             prompt_token_ids=output.prompt_token_ids, completions=output.completions, rewards=[1.0, 0.0, 0.0, 1.0],
         )
-        checked = generation.claim_check(
+        checked = claim_checks.claim_check(
             result, store, settings, 10**7, publish=lambda s, staged: publishes.submit((s, staged))
         )
         base = checked.payload.name.split("/")[1]
@@ -118,7 +118,7 @@ def test_claim_checks_finished_together_share_a_directory_fsync(tmp_path, monkey
 def test_publish_batches_by_store(tmp_path, fsyncs) -> None:  # type: ignore[no-untyped-def]
     a, b = FileStore(tmp_path / "a"), FileStore(tmp_path / "b")
     staged = [(a, a.stage(1, _payload(1))), (b, b.stage(2, _payload(2))), (a, a.stage(3, _payload(3)))]
-    assert generation._publish(staged) == [None] * 3
+    assert claim_checks.publish_batch(staged) == [None] * 3
     assert len(fsyncs) == 2
     assert all(store.read(s.ref) for store, s in staged)
 

@@ -1,0 +1,100 @@
+"""The claim check of a finished group: checked, packed, stored beside the broker, named by a
+small message (issue 17).
+
+A generation worker checks a group's token ids and log-probs here, where they are cheapest to
+check (the consumer's path is serial), packs it as the ledger packs rollouts, writes and fsyncs
+it into the run's payload store, and sends a `ClaimCheckResult` of a few hundred bytes that names
+it. `publish_batch` puts the payloads of attempts that finish together into place with one
+directory fsync.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from refill.models import decisions, rollout_codec
+from refill.models.payload import ClaimCheckResult, ResultMessage
+from refill.models.payload_store import FileStore, Staged
+from refill.models.settings import LedgerSettings
+
+log = logging.getLogger(__name__)
+
+
+def publish_batch(batch: list[tuple[FileStore, Staged]]) -> list[None]:
+    """Put the staged payloads of a batch into place: one `FileStore.publish` per store (one
+    directory fsync per directory). An error fails every result of the batch (infra)."""
+    by_store: dict[Path, tuple[FileStore, list[Staged]]] = {}
+    for store, staged in batch:
+        by_store.setdefault(store.root, (store, []))[1].append(staged)
+    for store, staged_list in by_store.values():
+        store.publish(staged_list)
+    return [None] * len(batch)
+
+
+def claim_check(
+    result: ResultMessage,
+    store: FileStore,
+    settings: LedgerSettings,
+    max_result_bytes: int,
+    *,
+    publish: Callable[[FileStore, Staged], None] | None = None,
+) -> ClaimCheckResult:
+    """The claim check of a finished group (`result`, inline): the group checked (as the ledger
+    would check it inline, here where it is cheapest), packed and stored in the run's payload
+    store, and the small message that names it. A group that cannot be used is a data failure
+    and one that cannot be stored an infra failure, with nothing stored.
+
+    The payload is written and fsynced here (`FileStore.stage`), then put into place by
+    `publish` (by default at once, `FileStore.publish`; the generation service batches the
+    payloads of attempts that finish together); either way it is durably in the store before
+    this returns the message that names it."""
+
+    def failure(kind: str, error: str) -> ClaimCheckResult:
+        return ClaimCheckResult(
+            run_id=result.run_id,
+            attempt_id=result.attempt_id,
+            worker=result.worker,
+            weight_version=result.weight_version,
+            error_kind=kind,
+            error=error,
+            generation_seconds=result.generation_seconds,
+        )
+
+    problem, rollout = decisions.checked_payload(result, settings.group_size, settings.vocab_size)
+    if problem is not None:
+        return failure("data", problem)
+    assert rollout is not None  # no problem: checked_payload built it
+    payload = rollout_codec.pack_payload(rollout, rollout_codec.texts(result.completions))
+    if len(payload) > max_result_bytes:
+        return failure("data", oversized_error(len(payload), max_result_bytes))
+    try:
+        staged = store.stage(result.attempt_id, payload)
+        if publish is None:
+            store.publish([staged])
+        else:
+            publish(store, staged)
+    except OSError as error:
+        # The shared storage is full or unreachable from this worker: an infra failure, so the
+        # prompt is tried again (elsewhere, or once the storage is back).
+        log.warning("attempt %s: storing its payload under %s failed: %r", result.attempt_id, store.root, error)
+        return failure("infra", f"could not store the payload under {store.root}: {error}")
+    return ClaimCheckResult(
+        run_id=result.run_id,
+        attempt_id=result.attempt_id,
+        worker=result.worker,
+        weight_version=result.weight_version,
+        rewards=result.rewards,
+        generation_seconds=result.generation_seconds,
+        payload=staged.ref,
+        prompt_length=len(result.prompt_token_ids),
+        lengths=[len(c.token_ids) for c in result.completions],
+    )
+
+
+def oversized_error(size: int, limit: int) -> str:
+    return (
+        f"result of about {size} bytes exceeds infra.max_result_bytes={limit}; "
+        "lower generation.max_new_tokens or raise the limit"
+    )
