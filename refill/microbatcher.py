@@ -84,6 +84,34 @@ class MicroBatcher(Generic[Req, Res]):
             self._cond.notify()
         return future
 
+    def submit_many(self, items: Sequence[Req], timeout: float | None = None) -> list[Res | BaseException]:
+        """Queue ``items`` together and block until each was processed; return their results
+        in order, an item's exception in its place instead of raised.
+
+        The items are queued under one lock and the caller wakes once per batch that holds
+        them, where a thread per item would each hand its item over and be woken for it: a
+        caller with several items of its own (a bundle of attempts) pays one hand-over.
+        On ``timeout`` (for all of them) a ``TimeoutError`` is raised and the items not yet
+        processed are dropped as ``submit`` drops one.
+        """
+        futures: list[Future] = [Future() for _ in items]
+        with self._cond:
+            if self._closing:
+                raise BatcherClosed("the batcher is closed and takes no new items")
+            self._pending.extend(zip(items, futures, strict=True))
+            self._cond.notify()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        out: list[Res | BaseException] = []
+        for future in futures:
+            try:
+                error = future.exception(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            except FutureTimeout as exc:
+                for pending in futures:
+                    pending.cancel()
+                raise TimeoutError(f"no result within {timeout} s") from exc
+            out.append(future.result() if error is None else error)
+        return out
+
     def submit(self, item: Req, timeout: float | None = None) -> Res:
         """Queue ``item``, block until its batch is processed, return its result or raise.
 

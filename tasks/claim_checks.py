@@ -11,7 +11,6 @@ directory fsync.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from pathlib import Path
 
 from refill.models import decisions, rollout_codec
@@ -38,49 +37,43 @@ def claim_check(
     store: FileStore,
     settings: LedgerSettings,
     max_result_bytes: int,
-    *,
-    publish: Callable[[FileStore, Staged], None] | None = None,
 ) -> ClaimCheckResult:
     """The claim check of a finished group (`result`, inline): the group checked (as the ledger
     would check it inline, here where it is cheapest), packed and stored in the run's payload
     store, and the small message that names it. A group that cannot be used is a data failure
-    and one that cannot be stored an infra failure, with nothing stored.
+    and one that cannot be stored an infra failure, with nothing stored. The payload is durably
+    in the store before this returns the message that names it. (The generation service does
+    the same in two halves: `stage_claim_check` for each result of a bundle, then one
+    `publish_batch` for all of them.)"""
+    claim, staged = stage_claim_check(result, store, settings, max_result_bytes)
+    if staged is None:
+        return claim
+    try:
+        store.publish([staged])
+    except OSError as error:
+        return not_stored(result, store, error)
+    return claim
 
-    The payload is written and fsynced here (`FileStore.stage`), then put into place by
-    `publish` (by default at once, `FileStore.publish`; the generation service batches the
-    payloads of attempts that finish together); either way it is durably in the store before
-    this returns the message that names it."""
 
-    def failure(kind: str, error: str) -> ClaimCheckResult:
-        return ClaimCheckResult(
-            run_id=result.run_id,
-            attempt_id=result.attempt_id,
-            worker=result.worker,
-            weight_version=result.weight_version,
-            error_kind=kind,
-            error=error,
-            generation_seconds=result.generation_seconds,
-        )
-
+def stage_claim_check(
+    result: ResultMessage, store: FileStore, settings: LedgerSettings, max_result_bytes: int
+) -> tuple[ClaimCheckResult, Staged | None]:
+    """The first half of `claim_check`: the group checked, packed, then written and fsynced
+    under a temporary name (`FileStore.stage`). Returns the message that names the payload and
+    what to publish, or a failure's message and None (nothing stored). The message may be
+    sent only once its payload was published."""
     problem, rollout = decisions.checked_payload(result, settings.group_size, settings.vocab_size)
     if problem is not None:
-        return failure("data", problem)
+        return _failure(result, "data", problem), None
     assert rollout is not None  # no problem: checked_payload built it
     payload = rollout_codec.pack_payload(rollout, rollout_codec.texts(result.completions))
     if len(payload) > max_result_bytes:
-        return failure("data", oversized_error(len(payload), max_result_bytes))
+        return _failure(result, "data", oversized_error(len(payload), max_result_bytes)), None
     try:
         staged = store.stage(result.attempt_id, payload)
-        if publish is None:
-            store.publish([staged])
-        else:
-            publish(store, staged)
     except OSError as error:
-        # The shared storage is full or unreachable from this worker: an infra failure, so the
-        # prompt is tried again (elsewhere, or once the storage is back).
-        log.warning("attempt %s: storing its payload under %s failed: %r", result.attempt_id, store.root, error)
-        return failure("infra", f"could not store the payload under {store.root}: {error}")
-    return ClaimCheckResult(
+        return not_stored(result, store, error), None
+    claim = ClaimCheckResult(
         run_id=result.run_id,
         attempt_id=result.attempt_id,
         worker=result.worker,
@@ -90,6 +83,27 @@ def claim_check(
         payload=staged.ref,
         prompt_length=len(result.prompt_token_ids),
         lengths=[len(c.token_ids) for c in result.completions],
+    )
+    return claim, staged
+
+
+def not_stored(result: ResultMessage, store: FileStore, error: OSError) -> ClaimCheckResult:
+    """The infra failure of a group that could not be stored: the shared storage is full or
+    unreachable from this worker, so the prompt is tried again (elsewhere, or once the storage
+    is back)."""
+    log.warning("attempt %s: storing its payload under %s failed: %r", result.attempt_id, store.root, error)
+    return _failure(result, "infra", f"could not store the payload under {store.root}: {error}")
+
+
+def _failure(result: ResultMessage, kind: str, error: str) -> ClaimCheckResult:
+    return ClaimCheckResult(
+        run_id=result.run_id,
+        attempt_id=result.attempt_id,
+        worker=result.worker,
+        weight_version=result.weight_version,
+        error_kind=kind,
+        error=error,
+        generation_seconds=result.generation_seconds,
     )
 
 

@@ -1,7 +1,9 @@
-"""What a generation worker does with one attempt: lease, generate, score, report.
+"""What a generation worker does with the attempts of a generate message: lease, generate,
+score, report.
 
-No Celery here: the `refill.generate` task hands the decoded message to
-`GenerationService.run`, and the result goes back through the `send_result` callable.
+No Celery here: the `refill.generate` task hands the decoded message (one attempt, or a bundle
+of a run's attempts) to `GenerationService.run_all`, and the results go back through the
+`send_results` callable. A bundle goes through each stage as one batch.
 
 A worker process has one engine (built from the run's config the first time the run is
 seen), fronted by a `BatchingEngine` so that the many task threads of a `threads` pool feed it
@@ -11,7 +13,7 @@ statement per heartbeat.
 A finished group goes to the run's payload store (`infra.payloads.store: files`, the claim
 check): the worker checks its token ids and log-probs (here, where they are cheapest to check:
 the consumer's path is serial), packs and stores it, and sends a `ClaimCheckResult` of a few
-hundred bytes. With `inline` the group travels in the result message (body version 1).
+hundred bytes (`claim_checks.py`). With `inline` the group travels in the result message (body version 1).
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -44,16 +45,15 @@ from refill.models.training import newest_weights
 from refill.rewards.loader import load_reward_fn
 from refill.rewards.scoring import RewardError, score_group
 from refill.tasks.backends import make_engine
+from refill.tasks.backends.base import GenerationOutput
 from refill.tasks.backends.engine_batching import BatchingEngine
 from refill.tasks.chaos import WorkerChaos
-from refill.tasks.claim_checks import claim_check, oversized_error, publish_batch
+from refill.tasks.claim_checks import not_stored, oversized_error, publish_batch, stage_claim_check
 
 log = logging.getLogger(__name__)
 
 #: Seconds a worker reuses its answer to "which weights are newest" (see _newest_weights).
 WEIGHTS_TTL = 0.05
-#: Threads that run the attempts of bundled generate messages, per worker process.
-BUNDLE_THREADS = 256
 
 
 @dataclass
@@ -75,12 +75,12 @@ class GenerationService:
         self,
         ledger: Ledger,
         *,
-        send_result: Callable[[dict[str, Any]], None],
+        send_results: Callable[[list[dict[str, Any]]], None],
         worker: str,
         engine_factory: Callable[..., Any] = make_engine,
     ) -> None:
         self.ledger = ledger
-        self.send_result = send_result
+        self.send_results = send_results
         self.worker = worker
         self.engine_factory = engine_factory
         self.leases = LeaseKeeper(ledger, worker)
@@ -103,58 +103,90 @@ class GenerationService:
             publish_batch, max_batch=1024, max_wait_ms=0.0, name="payload-publish"
         )
         self._weights: dict[int, tuple[float, tuple[int, str | None] | None]] = {}
-        # Threads for the attempts of bundled messages (started as needed): each task thread
-        # may hand over up to relay.GENERATE_BUNDLE attempts at once.
-        self._bundle_pool = ThreadPoolExecutor(max_workers=BUNDLE_THREADS, thread_name_prefix="generate")
 
     # --- a bundle of attempts --------------------------------------------------------------
 
     def run_all(self, messages: list[GenerateMessage]) -> str:
-        """Run the attempts of one message concurrently (their lease handshakes share a
-        transaction and the engine batches them); returns when every one has ended, so the
-        message is acknowledged only after each result was sent. An error is raised after
-        the others finished."""
+        """Run the attempts of one message (a bundle the relay sent together, or one) as a
+        batch: their lease handshakes in one submission, their groups in one engine
+        submission, their payloads published together and their results sent together.
+        Returns once every result is on the broker, so the message is acknowledged only
+        after each was sent. An error is raised after the other runs' attempts finished.
+
+        The calling thread hands the bundle to each batcher once and is woken once per
+        stage, where a thread per attempt paid a hand-over and a wake-up per attempt and
+        stage (bench/README.md, stop 33)."""
+        leases = self._lease(messages)
+        outcomes: Counter[str] = Counter()
+        by_run: dict[int, list[tuple[GenerateMessage, Lease]]] = {}
+        for message, lease in zip(messages, leases, strict=True):
+            if lease is None:
+                # A repeat of a message whose attempt another worker holds or that is settled,
+                # or one for an attempt this ledger never dispatched.
+                log.info("attempt %s is not ours to run; skipped", message.attempt_id)
+                outcomes["skipped"] += 1
+            else:
+                by_run.setdefault(message.run_id, []).append((message, lease))
+        first_error: Exception | None = None
+        # The relay bundles one run's attempts; a message of several runs is run run by run.
+        for taken in by_run.values():
+            try:
+                results = self._run_leased(taken)
+            except Exception as error:  # noqa: BLE001 - raised below, once the other runs' attempts ran
+                first_error = first_error or error
+                continue
+            outcomes.update(result.error_kind or "generated" for result in results)
+        if first_error is not None:
+            raise first_error
         if len(messages) == 1:
-            return self.run(messages[0])
-        futures = [self._bundle_pool.submit(self.run, message) for message in messages]
-        wait(futures)
-        outcomes = Counter()
-        for future in futures:
-            error = future.exception()
-            if error is not None:
-                raise error
-            outcomes[future.result()] += 1
+            return next(iter(outcomes))
         return ", ".join(f"{outcome} x{n}" for outcome, n in sorted(outcomes.items()))
 
-    # --- one attempt -------------------------------------------------------------------
-
     def run(self, message: GenerateMessage) -> str:
-        current = self._current
-        if current is not None and current.run_id == message.run_id:
-            # The usual case: the engine of this run is loaded and knows its weights.
-            seconds, version = current.lease_seconds, current.engine.weight_version
-        else:
-            # A run's first messages, which arrive together: the lease is taken before the
-            # engine is loaded (a stale message of another run must not make this worker
-            # switch engines), with the lease length read once from the run's config.
-            seconds, version = self._lease_seconds_of(message.run_id), None
-        # The leases of the attempts arriving together are taken in one transaction.
-        lease = None if seconds is None else self._handshakes.submit((message.run_id, message.attempt_id, seconds, version))
-        if lease is None:
-            # A repeat of a message whose attempt another worker holds or that is settled, or
-            # one for an attempt this ledger never dispatched.
-            log.info("attempt %s is not ours to run; skipped", message.attempt_id)
-            return "skipped"
-        run_engine = self._engine_for(message.run_id)
-        self.leases.hold(lease, run_engine.heartbeat_seconds)
+        """One attempt: `run_all` of a bundle of one."""
+        return self.run_all([message])
+
+    def _lease(self, messages: list[GenerateMessage]) -> list[Lease | None]:
+        """Each message's lease, or None where it is not this worker's to run. The handshakes
+        of attempts arriving together (this bundle's and other task threads') share one
+        transaction."""
+        requests: list[tuple[int, int, float, int | None]] = []
+        asked: list[int] = []
+        for i, message in enumerate(messages):
+            current = self._current
+            if current is not None and current.run_id == message.run_id:
+                # The usual case: the engine of this run is loaded and knows its weights.
+                seconds, version = current.lease_seconds, current.engine.weight_version
+            else:
+                # A run's first messages, which arrive together: the lease is taken before the
+                # engine is loaded (a stale message of another run must not make this worker
+                # switch engines), with the lease length read once from the run's config.
+                seconds, version = self._lease_seconds_of(message.run_id), None
+            if seconds is not None:
+                requests.append((message.run_id, message.attempt_id, seconds, version))
+                asked.append(i)
+        leases: list[Lease | None] = [None] * len(messages)
+        if requests:
+            for i, lease in zip(asked, self._handshakes.submit_many(requests), strict=True):
+                if isinstance(lease, BaseException):
+                    raise lease
+                leases[i] = lease
+        return leases
+
+    def _run_leased(self, taken: list[tuple[GenerateMessage, Lease]]) -> list[ResultMessage]:
+        """Generate, score, store and send the groups of one run's leased attempts."""
+        run_engine = self._engine_for(taken[0][0].run_id)
+        for _, lease in taken:
+            self.leases.hold(lease, run_engine.heartbeat_seconds)
         try:
-            result = self._generate(run_engine, message, lease)
+            results = self._generate(run_engine, taken)
         finally:
-            # Stop beating before the result can be committed; the last beat's lease covers
+            # Stop beating before the results can be committed; the last beat's lease covers
             # the trip to the consumer.
-            self.leases.release(message.attempt_id)
-        self.send_result(result.to_json())
-        return result.error_kind or "generated"
+            for message, _ in taken:
+                self.leases.release(message.attempt_id)
+        self.send_results([result.to_json() for result in results])
+        return results
 
     def _lease_seconds_of(self, run_id: int) -> float | None:
         """The run's lease length (its config never changes), or None for no such run."""
@@ -216,13 +248,28 @@ class GenerationService:
             out.append(taken.pop(attempt_id, None))
         return out
 
-    def _generate(self, run_engine: _RunEngine, message: GenerateMessage, lease: Lease) -> ResultMessage:
-        # The message is the engine's request (a GenerateMessage is a GenerationRequest), with
-        # the weight floor the lease carries: the ledger may have raised it since the message
+    def _generate(self, run_engine: _RunEngine, taken: list[tuple[GenerateMessage, Lease]]) -> list[ResultMessage]:
+        # Each message is its engine request (a GenerateMessage is a GenerationRequest), with
+        # the weight floor its lease carries: the ledger may have raised it since the message
         # was sent (the attempt was handed to a later step).
-        request = replace(message, min_weight_version=max(message.min_weight_version, lease.min_weight_version))
+        requests = [
+            replace(message, min_weight_version=max(message.min_weight_version, lease.min_weight_version))
+            for message, lease in taken
+        ]
         started = time.perf_counter()
+        outputs = run_engine.engine.submit_many(requests)
+        results = [
+            self._scored(run_engine, message, output, started)
+            for (message, _), output in zip(taken, outputs, strict=True)
+        ]
+        if run_engine.store is None:
+            return results
+        return self._claim_checks(run_engine, results)
 
+    def _scored(
+        self, run_engine: _RunEngine, message: GenerateMessage, output: GenerationOutput | BaseException, started: float
+    ) -> ResultMessage:
+        """One attempt's result: its group scored, or why it failed."""
         # With a payload store every result is a claim check's body (version 2), failures too:
         # it bounds an engine's error text, so no message grows with what went wrong.
         message_type = ResultMessage if run_engine.store is None else ClaimCheckResult
@@ -238,11 +285,11 @@ class GenerationService:
                 generation_seconds=time.perf_counter() - started,
             )
 
-        try:
-            output = run_engine.engine.submit(request)
-        except Exception as error:  # noqa: BLE001 - any engine failure is this attempt's infra failure
-            log.warning("attempt %s: engine failed: %r", message.attempt_id, error)
-            return failure("infra", f"{type(error).__name__}: {error}")
+        if isinstance(output, BaseException):
+            if not isinstance(output, Exception):
+                raise output  # KeyboardInterrupt, SystemExit: not this attempt's failure
+            log.warning("attempt %s: engine failed: %r", message.attempt_id, output)
+            return failure("infra", f"{type(output).__name__}: {output}")
         if run_engine.store is None:
             # Inline, the message is the result: its estimated JSON is what the limit bounds.
             size = estimated_result_bytes(output)
@@ -252,7 +299,7 @@ class GenerationService:
             rewards = score_group(run_engine.reward_fn, [c.text for c in output.completions], message.row)
         except RewardError as error:
             return failure("data", str(error), output.weight_version)
-        result = ResultMessage(
+        return ResultMessage(
             run_id=message.run_id,
             attempt_id=message.attempt_id,
             worker=self.worker,
@@ -266,17 +313,32 @@ class GenerationService:
                 else time.perf_counter() - started
             ),
         )
-        if run_engine.store is None:
-            return result
-        checked = claim_check(
-            result,
-            run_engine.store,
-            run_engine.settings,
-            run_engine.max_result_bytes,
-            publish=lambda store, staged: self._publishes.submit((store, staged)),
-        )
-        if checked.payload is not None:
-            self._chaos.after_storing(checked.attempt_id)
+
+    def _claim_checks(self, run_engine: _RunEngine, results: list[ResultMessage]) -> list[ResultMessage]:
+        """The claim checks of a bundle's results: each group checked, packed and staged, then
+        all of them published in one submission (their directory fsynced once, with those of
+        the other task threads' bundles staged meanwhile)."""
+        store = run_engine.store
+        assert store is not None
+        checked: list[ResultMessage] = []
+        staged: list[tuple[int, Staged]] = []
+        for result in results:
+            if result.error_kind is not None:
+                checked.append(result)  # a failure, already a claim check's body
+                continue
+            claim, one = stage_claim_check(result, store, run_engine.settings, run_engine.max_result_bytes)
+            if one is not None:
+                staged.append((len(checked), one))
+            checked.append(claim)
+        if staged:
+            published = self._publishes.submit_many([(store, one) for _, one in staged])
+            for (i, _), outcome in zip(staged, published, strict=True):
+                if isinstance(outcome, OSError):
+                    checked[i] = not_stored(results[i], store, outcome)
+                elif isinstance(outcome, BaseException):
+                    raise outcome
+                else:
+                    self._chaos.after_storing(checked[i].attempt_id)
         return checked
 
     # --- the engine of a run -------------------------------------------------------------
@@ -325,7 +387,6 @@ class GenerationService:
         return found
 
     def close(self) -> None:
-        self._bundle_pool.shutdown(wait=True)
         self._handshakes.close(timeout=30)
         self._publishes.close(timeout=30)
         self.leases.close()

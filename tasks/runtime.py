@@ -75,7 +75,7 @@ class Runtime:
                 from refill.tasks.generation import GenerationService
 
                 self._generation = GenerationService(
-                    self.ledger, send_result=self.send_result, worker=self.worker_name
+                    self.ledger, send_results=self.send_results, worker=self.worker_name
                 )
             return self._generation
 
@@ -97,14 +97,14 @@ class Runtime:
                 )
             return self._trainer
 
-    def send_result(self, body: dict) -> None:
-        """Send one result to the consumers; returns once it is on the broker (the caller's
+    def send_results(self, bodies: list[dict]) -> None:
+        """Send results to the consumers; returns once they are on the broker (the caller's
         generate message is acknowledged after this, so a crash never loses a result that
         was not sent). Results that finish together go out as one message (ResultSender)."""
         with self._lock:
             if self._sender is None:
                 self._sender = ResultSender(self.app)
-        self._sender.send(body)
+        self._sender.send_many(bodies)
 
     def close(self) -> None:
         for part in (self._generation, self._consumer, self._trainer):
@@ -152,7 +152,14 @@ class ResultSender:
         )
 
     def send(self, body: dict[str, Any]) -> None:
-        self._batcher.submit(body)
+        self.send_many([body])
+
+    def send_many(self, bodies: list[dict[str, Any]]) -> None:
+        """Send these results (a bundle's, finished together); returns once every one of them
+        is on the broker, or raises the first sending error."""
+        for outcome in self._batcher.submit_many(bodies):
+            if isinstance(outcome, BaseException):
+                raise outcome
 
     def _publish(self, bodies: list[dict[str, Any]]) -> list[None]:
         from refill.tasks.queues import RESULTS, TASK_RECORD_RESULT

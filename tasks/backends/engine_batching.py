@@ -80,6 +80,11 @@ class BatchingEngine:
         """Generate one group; blocks the calling thread. Raises that request's exception."""
         return self._batcher.submit(request, timeout=timeout)
 
+    def submit_many(self, requests: list[GenerationRequest]) -> list[GenerationOutput | BaseException]:
+        """Generate several groups submitted together (a bundle's); blocks the calling thread.
+        Each request's output, or its exception in its place."""
+        return self._batcher.submit_many(requests)
+
     def close(self, timeout: float | None = None) -> None:
         """Finish what is queued, stop the engine thread, then close the engine."""
         try:

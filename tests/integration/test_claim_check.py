@@ -321,7 +321,7 @@ SIM_REWARD = {"reward": {"function": "refill.rewards.sim:solved"}}
 
 def _service(d: Driver) -> tuple[GenerationService, list[dict[str, Any]]]:
     sent: list[dict[str, Any]] = []
-    return GenerationService(d.ledger, send_result=sent.append, worker=d.worker), sent
+    return GenerationService(d.ledger, send_results=sent.extend, worker=d.worker), sent
 
 
 def _messages(d: Driver) -> list[GenerateMessage]:
@@ -345,6 +345,51 @@ def test_a_worker_stores_a_checked_group_and_sends_its_claim_check(ledger, tmp_p
     prompt, completions = rollout_codec.unpack_payload(claims.store.read(result.payload))
     assert len(prompt) == result.prompt_length and [len(c.token_ids) for c in completions] == result.lengths
     assert d.record(result).outcomes[0].outcome in (Outcome.COMMITTED, Outcome.FILTERED)
+
+
+def test_a_bundle_runs_as_one_batch_through_each_stage(ledger, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The attempts of one generate message go through the lease handshake, the engine, the
+    payloads' publication and the send together (one submission each), and a group that
+    fails its checks fails alone: the others are stored and sent beside it."""
+    from refill.tasks.backends import make_engine
+
+    d = Driver(ledger, {**SIM_REWARD, "generation": {"sim": {"wrong_group_size_rate": 0.5}}})
+    d.admit()
+    claims = Claims(d, tmp_path)
+    engine_batches: list[int] = []
+
+    def factory(config):  # type: ignore[no-untyped-def]
+        engine = make_engine(config)
+        generate = engine.generate
+
+        def counted(requests):  # type: ignore[no-untyped-def]
+            engine_batches.append(len(requests))
+            return generate(requests)
+
+        engine.generate = counted
+        return engine
+
+    sends: list[list[dict[str, Any]]] = []
+    service = GenerationService(d.ledger, send_results=sends.append, worker=d.worker, engine_factory=factory)
+    messages = _messages(d)[:6]
+    try:
+        outcome = service.run_all(messages)
+        handshakes, publishes = service._handshakes.batches_processed, service._publishes.batches_processed
+    finally:
+        service.close()
+    assert engine_batches == [6] and handshakes == 1 and publishes == 1
+    (sent,) = sends
+    assert [body["attempt_id"] for body in sent] == [m.attempt_id for m in messages]
+    results = [ResultMessage.from_json(body) for body in sent]
+    failed = [r for r in results if r.error_kind is not None]
+    stored = [r for r in results if r.error_kind is None]
+    # Seeded: both kinds are in this bundle, and the outcome counts them.
+    assert failed and stored, outcome
+    assert outcome == f"data x{len(failed)}, generated x{len(stored)}"
+    assert all(r.error_kind == "data" and r.payload is None for r in failed)  # type: ignore[attr-defined]
+    assert claims.names() == {r.payload.name for r in stored}  # type: ignore[attr-defined]
+    batch = d.record(*results)
+    assert sorted(o.outcome is Outcome.FAILED for o in batch.outcomes) == sorted(r.error_kind is not None for r in results)
 
 
 @pytest.mark.parametrize(

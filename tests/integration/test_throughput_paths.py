@@ -185,7 +185,7 @@ def test_a_bundle_handshake_takes_what_it_can_without_waiting_then_the_rest(pg_l
         assert set(alone) == {first}
         assert pg_ledger.transaction(lambda s: startable(s, d.run_id, [busy, first])) == [busy]
 
-        service = GenerationService(pg_ledger, send_result=lambda body: None, worker="gen-1")
+        service = GenerationService(pg_ledger, send_results=lambda bodies: None, worker="gen-1")
         leases: list = []  # type: ignore[type-arg]
         worker = threading.Thread(
             target=lambda: leases.extend(service._take_leases([(d.run_id, a, 30.0, 0) for a in (busy, last)]))
@@ -280,7 +280,7 @@ def test_a_runs_first_messages_take_their_leases_together_before_its_engine_load
             handshakes.append(len(requests))
             return super()._take_leases(requests)
 
-    service = Counting(ledger, send_result=sent.append, worker="gen-1", engine_factory=factory)
+    service = Counting(ledger, send_results=sent.extend, worker="gen-1", engine_factory=factory)
     try:
         # A message of a run this ledger does not have: skipped, and no engine is loaded for it.
         stray = GenerateMessage(**{**messages[0].to_json(), "run_id": d.run_id + 1})

@@ -66,9 +66,9 @@ def test_a_staged_payload_is_not_in_the_store_until_published(tmp_path, fsyncs) 
 
 
 def test_claim_checks_finished_together_share_a_directory_fsync(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """As the generation service runs them: each attempt's thread stages its payload and hands
-    it to one publishing batcher; no result comes back before its payload's rename was
-    fsynced, and the attempts that wait meanwhile share the next fsync."""
+    """As the generation service runs them: each task thread stages its payloads and hands
+    them to one publishing batcher; no result comes back before its payload's rename was
+    fsynced, and the payloads that wait meanwhile share the next fsync."""
     calls: list[set[str]] = []
     real = payload_store._fsync_dir
 
@@ -91,9 +91,8 @@ def test_claim_checks_finished_together_share_a_directory_fsync(tmp_path, monkey
             run_id=1, attempt_id=attempt_id, worker="w", weight_version=0,
             prompt_token_ids=output.prompt_token_ids, completions=output.completions, rewards=[1.0, 0.0, 0.0, 1.0],
         )
-        checked = claim_checks.claim_check(
-            result, store, settings, 10**7, publish=lambda s, staged: publishes.submit((s, staged))
-        )
+        checked, staged = claim_checks.stage_claim_check(result, store, settings, 10**7)
+        publishes.submit((store, staged))
         base = checked.payload.name.split("/")[1]
         # Returned: its payload is in place, and an fsync that started after its rename ran.
         assert store.path(checked.payload.name).exists() and any(base in present for present in calls)

@@ -254,3 +254,44 @@ def test_lone_request_waits_at_most_max_wait():
     assert batcher.submit("x", timeout=5) == "x"
     assert time.perf_counter() - started < 1.0
     batcher.close()
+
+
+def test_items_submitted_together_share_a_batch_and_fail_one_by_one():
+    """A caller with several items (a generate bundle's attempts) queues them at once: one
+    batch holds them all, each result comes back in its place, a failed item as its
+    exception, without failing the others."""
+    seen: list[list[int]] = []
+
+    def process(batch):
+        seen.append(list(batch))
+        return [ValueError(f"odd {x}") if x % 2 else x * 10 for x in batch]
+
+    with MicroBatcher(process, max_batch=64, max_wait_ms=0) as batcher:
+        out = batcher.submit_many([2, 3, 4, 5])
+    assert seen == [[2, 3, 4, 5]]
+    assert out[0] == 20 and out[2] == 40
+    assert isinstance(out[1], ValueError) and str(out[1]) == "odd 3"
+    assert isinstance(out[3], ValueError) and str(out[3]) == "odd 5"
+
+
+def test_items_submitted_together_are_cut_at_max_batch_and_time_out_together():
+    gate = threading.Event()
+    seen: list[list[int]] = []
+
+    def process(batch):
+        seen.append(list(batch))
+        gate.wait(5)
+        return batch
+
+    batcher = MicroBatcher(process, max_batch=2, max_wait_ms=0)
+    try:
+        with pytest.raises(TimeoutError):
+            batcher.submit_many([1, 2, 3], timeout=0.2)
+        gate.set()
+        assert batcher.submit_many([4, 5, 6], timeout=5) == [4, 5, 6]
+    finally:
+        gate.set()
+        batcher.close(timeout=5)
+    # The first two went together; the third, dropped when its caller gave up, never ran.
+    assert seen[0] == [1, 2] and [3] not in seen
+    assert all(len(b) <= 2 for b in seen)
