@@ -71,10 +71,13 @@ class ResultConsumer:
         bundle = body.get("bundle") if isinstance(body, dict) else None
         if not isinstance(bundle, list):
             return self._batcher.submit(_decode(body))
-        futures = [self._batcher.submit_future(_decode(item)) for item in bundle]
-        outcomes = [future.result() for future in futures]
+        # Queued together: the batcher's thread is woken once for the bundle, not once per
+        # result, and a batch that starts takes the whole bundle.
+        outcomes = self._batcher.submit_many([_decode(item) for item in bundle])
         counts: dict[str, int] = {}
         for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome  # the batch failed: the message is delivered again
             counts[outcome] = counts.get(outcome, 0) + 1
         return " ".join(f"{outcome}x{count}" for outcome, count in sorted(counts.items()))
 

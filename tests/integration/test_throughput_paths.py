@@ -258,6 +258,23 @@ def test_a_bundle_of_results_is_recorded_once_whatever_it_repeats(ledger) -> Non
     assert d.step(0).committed == 2
 
 
+def test_a_bundle_of_results_is_recorded_in_one_batch(ledger) -> None:  # type: ignore[no-untyped-def]
+    """Even with no wait for company, a bundle's results are queued together: the batch that
+    starts takes all of them (one transaction), none is left for the next."""
+    d = Driver(ledger)
+    d.admit()
+    ids = [d.live_of(0, i).id for i in range(4)]
+    d.start_all(ids)
+    consumer = ResultConsumer(ledger, max_wait_ms=0.0)
+    try:
+        summary = consumer.submit({"bundle": [d.result(a, SPREAD, version=0).to_json() for a in ids]})
+        batches = consumer._batcher.batches_processed
+    finally:
+        consumer.close()
+    assert summary == "COMMITTEDx4" and batches == 1
+    assert d.step(0).committed == 4
+
+
 def test_a_runs_first_messages_take_their_leases_together_before_its_engine_loads(ledger) -> None:  # type: ignore[no-untyped-def]
     from refill.models.payload import GenerateMessage
     from refill.tasks.backends import make_engine
