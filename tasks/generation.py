@@ -257,7 +257,10 @@ class GenerationService:
             for message, lease in taken
         ]
         started = time.perf_counter()
-        outputs = run_engine.engine.submit_many(requests)
+        try:
+            outputs: list[GenerationOutput | BaseException] = run_engine.engine.submit_many(requests)
+        except Exception as error:  # noqa: BLE001 - the engine closed under us (another run's took its place): each attempt's infra failure
+            outputs = [error] * len(requests)
         results = [
             self._scored(run_engine, message, output, started)
             for (message, _), output in zip(taken, outputs, strict=True)

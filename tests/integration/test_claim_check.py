@@ -392,6 +392,25 @@ def test_a_bundle_runs_as_one_batch_through_each_stage(ledger, tmp_path: Path) -
     assert sorted(o.outcome is Outcome.FAILED for o in batch.outcomes) == sorted(r.error_kind is not None for r in results)
 
 
+def test_a_bundle_whose_engine_closed_reports_each_attempt_as_an_infra_failure(ledger, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """An engine closed under a bundle (another run's engine took its place) fails each of its
+    attempts as infra, sent at once so they are tried again, not left to their leases."""
+    d = Driver(ledger, SIM_REWARD)
+    d.admit()
+    Claims(d, tmp_path)
+    service, sent = _service(d)
+    messages = _messages(d)[:3]
+    try:
+        assert service.run(messages[0]) in ("generated", "data")
+        service._current.engine.close()  # type: ignore[union-attr]
+        assert service.run_all(messages[1:]) == "infra x2"
+    finally:
+        service.close()
+    failed = [ResultMessage.from_json(body) for body in sent[1:]]
+    assert [r.attempt_id for r in failed] == [m.attempt_id for m in messages[1:]]
+    assert all(r.error_kind == "infra" and "closed" in (r.error or "") for r in failed)
+
+
 @pytest.mark.parametrize(
     ("sim", "infra", "problem"),
     [
