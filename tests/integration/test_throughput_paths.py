@@ -112,68 +112,6 @@ def test_a_handshake_finds_its_attempts_by_id_whatever_the_statistics_say(pg_led
     assert buffers < 1000, f"the handshake touched {buffers} buffers for 8 attempts"
 
 
-def test_a_metered_relay_pass_reads_its_runs_first_rows_whatever_the_statistics_say(pg_ledger) -> None:  # type: ignore[no-untyped-def]
-    """The controller's relay asks for its run's first due rows of a kind (as many generate
-    rows as the run's queue has room for). With statistics from before a burst of 5,000
-    waiting rows (the outbox analyzed while empty), it must still read about as many rows as
-    it takes, not every waiting row of every run joined to its run and sorted (as through the
-    index by `available_at` alone: about 10,000 buffers). Measured by the buffers it touches."""
-    import json
-
-    from sqlalchemy import event
-
-    from refill.models.outbox import claim_outbox
-    from refill.tasks.relay import DEFAULT_QUEUED_PER_SHARE
-
-    d = Driver(pg_ledger)
-    with pg_ledger.engine.begin() as conn:
-        conn.execute(text("DELETE FROM outbox"))
-        conn.execute(text("ANALYZE outbox"))
-        conn.execute(
-            text(
-                "INSERT INTO outbox (run_id, kind, payload, created_at, available_at, send_count) "
-                "SELECT :run, 'generate', '{}', now(), now() - interval '1 second', 0 FROM generate_series(1, 5000)"
-            ),
-            {"run": d.run_id},
-        )
-    statements: list[tuple[str, dict]] = []  # type: ignore[type-arg]
-
-    def record(conn, cursor, statement, parameters, context, executemany):  # type: ignore[no-untyped-def]
-        if "FROM outbox" in statement and "FOR UPDATE" in statement:
-            statements.append((statement, parameters))
-
-    def relay_pass(session):  # type: ignore[no-untyped-def]
-        now = session.execute(text("SELECT now()")).scalar_one()
-        return claim_outbox(
-            session, claimer="c", now=now, limit=1000, run_id=d.run_id, queued_per_share=DEFAULT_QUEUED_PER_SHARE,
-            claim_seconds=None,
-        )
-
-    event.listen(pg_ledger.engine, "before_cursor_execute", record)
-    try:
-        claimed = pg_ledger.transaction(relay_pass)
-    finally:
-        event.remove(pg_ledger.engine, "before_cursor_execute", record)
-    # (Rows for no attempt: their messages are moot, marked sent without a message.)
-    assert claimed == []
-    # The pass asked for the run's train_step rows, then for its generate rows: the second,
-    # explained as it runs (then rolled back).
-    statement, parameters = statements[-1]
-    raw = pg_ledger.engine.raw_connection()
-    try:
-        cursor = raw.cursor()
-        cursor.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + statement, parameters)
-        plan = cursor.fetchone()[0]
-        raw.rollback()
-    finally:
-        raw.close()
-    plan = plan if isinstance(plan, list) else json.loads(plan)
-    top = plan[0]["Plan"]
-    buffers = top.get("Shared Hit Blocks", 0) + top.get("Shared Read Blocks", 0)
-    assert top["Actual Rows"] == DEFAULT_QUEUED_PER_SHARE
-    assert buffers < 2000, f"a relay pass touched {buffers} buffers for {DEFAULT_QUEUED_PER_SHARE} rows of 5,000"
-
-
 def test_a_worker_handshake_and_heartbeat_write_the_ledger_clock_without_reading_it_first(ledger) -> None:  # type: ignore[no-untyped-def]
     """A worker passes no clock: the lease is written with the database's (PostgreSQL's
     now(), inside the statement: no round trip of its own), and the heartbeat the same way."""
