@@ -1,4 +1,4 @@
-"""A micro-batcher: many threads submit one item each, one worker thread processes them in batches.
+"""A micro-batcher: many threads submit items, one worker thread processes them in batches.
 
 Two parts of refill need the same shape of concurrency:
 

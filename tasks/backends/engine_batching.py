@@ -1,7 +1,8 @@
 """One engine, many groups in flight: the engine-side wrapper around ``refill.microbatcher.MicroBatcher``.
 
-A generation worker runs a Celery ``threads`` pool; each thread handles one attempt and calls
-``BatchingEngine.submit(request)``, which blocks until that group is generated. A single engine
+A generation worker runs a Celery ``threads`` pool; each thread handles one generate message
+(a bundle of attempts) and calls ``BatchingEngine.submit_many(requests)`` (``submit`` for one),
+which blocks until those groups are generated. A single engine
 thread gathers whatever requests are waiting and calls ``engine.generate`` once for all of them,
 so the GPU sees a batch instead of one group at a time.
 

@@ -11,6 +11,7 @@ from sqlalchemy.dialects import postgresql
 from refill.models import sql
 from refill.models.tables import Step, StepStatus
 from tests.support.driver import Driver
+from tests.support.plans import run_explained
 
 
 def _plan(session, statement) -> str:  # type: ignore[no-untyped-def]
@@ -56,8 +57,6 @@ def test_a_metered_relay_pass_reads_its_runs_first_rows_whatever_the_statistics_
     waiting rows (the outbox analyzed while empty), it must still read about as many rows as
     it takes, not every waiting row of every run joined to its run and sorted (as through the
     index by `available_at` alone: about 10,000 buffers). Measured by the buffers it touches."""
-    import json
-
     from sqlalchemy import event
 
     from refill.models.outbox import claim_outbox
@@ -97,16 +96,6 @@ def test_a_metered_relay_pass_reads_its_runs_first_rows_whatever_the_statistics_
     # The pass asked for the run's train_step rows, then for its generate rows: the second,
     # explained as it runs (then rolled back).
     statement, parameters = statements[-1]
-    raw = pg_ledger.engine.raw_connection()
-    try:
-        cursor = raw.cursor()
-        cursor.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + statement, parameters)
-        plan = cursor.fetchone()[0]
-        raw.rollback()
-    finally:
-        raw.close()
-    plan = plan if isinstance(plan, list) else json.loads(plan)
-    top = plan[0]["Plan"]
-    buffers = top.get("Shared Hit Blocks", 0) + top.get("Shared Read Blocks", 0)
-    assert top["Actual Rows"] == DEFAULT_QUEUED_PER_SHARE
+    rows, buffers = run_explained(pg_ledger, statement, parameters)
+    assert rows == DEFAULT_QUEUED_PER_SHARE
     assert buffers < 2000, f"a relay pass touched {buffers} buffers for {DEFAULT_QUEUED_PER_SHARE} rows of 5,000"

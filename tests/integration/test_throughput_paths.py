@@ -19,6 +19,7 @@ from refill.models.slots import dispatch
 from refill.models.tables import AttemptReason
 from refill.tasks.consumer import ResultConsumer
 from tests.support.driver import SPREAD, Driver
+from tests.support.plans import run_explained
 
 
 def add_extras(d: Driver, step: int, count: int) -> list[int]:
@@ -72,8 +73,6 @@ def test_a_handshake_finds_its_attempts_by_id_whatever_the_statistics_say(pg_led
     never analyzed). A handshake of 8 attempts must still reach them by id, not through the
     run's 2,000 live attempts: with the run beside the ids, the planner ran its locking
     subquery once per live attempt (16,000 buffers). Measured by the buffers it touches."""
-    import json
-
     from sqlalchemy import event
 
     d = Driver(pg_ledger, {"grpo": {"num_prompts_per_step": 512, "num_generations_per_prompt": 4}}, num_prompts=1200)
@@ -97,18 +96,8 @@ def test_a_handshake_finds_its_attempts_by_id_whatever_the_statistics_say(pg_led
     # (The ids are the statement's expanding parameter `b_ids`, one `b_ids_N` per id.)
     ids = iter(queued[8:16])
     parameters = {k: next(ids) if k.startswith("b_ids_") else v for k, v in parameters.items()}
-    raw = pg_ledger.engine.raw_connection()
-    try:
-        cursor = raw.cursor()
-        cursor.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + statement, parameters)
-        plan = cursor.fetchone()[0]
-        raw.rollback()
-    finally:
-        raw.close()
-    plan = plan if isinstance(plan, list) else json.loads(plan)
-    top = plan[0]["Plan"]
-    buffers = top.get("Shared Hit Blocks", 0) + top.get("Shared Read Blocks", 0)
-    assert top["Actual Rows"] == 8
+    rows, buffers = run_explained(pg_ledger, statement, parameters)
+    assert rows == 8
     assert buffers < 1000, f"the handshake touched {buffers} buffers for 8 attempts"
 
 
