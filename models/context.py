@@ -55,7 +55,6 @@ from refill.models.sql import (
     SLOT_COLUMNS,
     SPARE_COLUMNS,
     insert_rows,
-    slot_keys_in,
 )
 from refill.models.tables import (
     Attempt,
@@ -228,12 +227,9 @@ class RunContext:
             self._live_read.update(keys)
 
     def _load_live(self, keys: list[tuple[int, int]], *, lock: bool) -> list[AttemptRow]:
-        statement = sql.live_attempts(self.run.id, slot_keys_in(_attempts.c.step, _attempts.c.slot_idx, keys))
         # A locking read refreshes what it finds: another transaction may have written the
         # row since it was first read here.
-        if lock:
-            statement = statement.with_for_update(key_share=True, skip_locked=True)
-        return self.rows.load(AttemptRow, statement, refresh=lock)
+        return self.rows.load(AttemptRow, sql.live_attempts(self.run.id, keys, lock=lock), refresh=lock)
 
     def _live_in_rows(self, key: tuple[int, int]) -> AttemptRow | None:
         for row in self.rows.attempts.values():
@@ -265,9 +261,7 @@ class RunContext:
     def slot(self, step: int, idx: int) -> SlotRow:
         row = self.rows.slots.get((step, idx))
         if row is None:
-            found = self.rows.load(
-                SlotRow, select(*SLOT_COLUMNS).where(_slots.c.run_id == self.run.id, _slots.c.step == step, _slots.c.idx == idx)
-            )
+            found = self.rows.load(SlotRow, sql.slots_at(self.run.id, [(step, idx)]))
             if not found:
                 raise LookupError(f"run {self.run.id} has no slot ({step}, {idx})")
             row = found[0]
@@ -395,7 +389,7 @@ class RunContext:
         if self._lendable_parked is None:
             self.flush()
             committed, parked = sql.lendable(self.run.id, self.settings.max_lookahead_versions, self._lendable_chunk)
-            self._adopt_lendable(self.rows.load_with(SlotRow, committed), self.session.execute(parked).all())
+            self._adopt_lendable(self.rows.load_with(SlotRow, committed), self.session.execute(*parked).all())
         return self._lendable_parked, self._lendable_committed, self._lendable_added
 
     def _adopt_lendable(self, committed: list[tuple[SlotRow, tuple[Any, ...]]], parked: list[Any]) -> None:
@@ -552,7 +546,7 @@ class RunContext:
         Loaded one by one on first use, each cache would flush the batch's changes first:
         several flushes, each a round of statements, in the middle of every batch. Two round
         trips, not one: reads that depend on others' rows (the slots of the batch's attempts,
-        the live attempts of the open slots) name those rows' keys in the second (`slot_keys_in`),
+        the live attempts of the open slots) name those rows' keys in the second (`sql.slots_at`, `sql.live_attempts`),
         where a subquery in one statement leaves the join order to the planner, which chose a
         scan of the run's live attempts for each slot when its statistics were stale."""
         self.flush()
@@ -578,7 +572,7 @@ class RunContext:
         # A group placed in an open slot hands the slot's live attempt over to the extras.
         live = [(slot.step, slot.idx) for slot in self._open_slots or ()] if open_prefix else []
         if live:
-            second.append(Read(AttemptRow, sql.live_attempts(self.run.id, slot_keys_in(_attempts.c.step, _attempts.c.slot_idx, live))))
+            second.append(Read(AttemptRow, sql.live_attempts(self.run.id, live)))
             self._live_read.update(live)
         return own + self.rows.load_all(second)[: len(second) - bool(live)]
 

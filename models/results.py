@@ -23,11 +23,9 @@ from datetime import datetime
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from refill.models import decisions, rollout_codec
+from refill.models import decisions, rollout_codec, sql
 from refill.models.clock import ledger_now
 from refill.models.context import (
-    ATTEMPT_COLUMNS,
-    SLOT_COLUMNS,
     RunContext,
 )
 from refill.models.db import UnknownRun
@@ -47,9 +45,7 @@ from refill.models.slots import (
     placement_candidates,
     replace,
 )
-from refill.models.sql import literal_in, slot_keys_in
 from refill.models.tables import (
-    Attempt,
     AttemptState,
     FailureKind,
     RejectedResult,
@@ -146,22 +142,14 @@ def _read_batch(ctx: RunContext, attempt_ids: list[int]) -> dict[int, AttemptRow
     the slots they serve, and the first loads of the context's caches and the run's unfinished
     steps (`RunContext.read_ahead`: two round trips)."""
     run_id = ctx.run.id
-    attempts_table, slots_table = Attempt.__table__, Slot.__table__
 
     def their_slots(found: list[list[AttemptRow]]) -> list[Read]:
         keys = {(a.step, a.slot_idx) for a in found[0] if a.slot_idx is not None}
-        if not keys:
-            return []
-        where = slot_keys_in(slots_table.c.step, slots_table.c.idx, keys)
-        return [Read(SlotRow, select(*SLOT_COLUMNS).where(slots_table.c.run_id == run_id, where))]
+        return [Read(SlotRow, sql.slots_at(run_id, keys))] if keys else []
 
     settings, running = ctx.settings, ctx.running
     found = ctx.read_ahead(
-        # `run_id + 0`: found by primary key, the run checked on the rows. A plain `run_id = x`
-        # lets the planner read the run's every attempt by the run_id index and filter them by
-        # id, which it did whenever the table's statistics predate the run (3 ms a batch at
-        # 8,000 attempts in `bench overhead`).
-        [Read(AttemptRow, select(*ATTEMPT_COLUMNS).where(literal_in(attempts_table.c.id, attempt_ids), attempts_table.c.run_id + 0 == run_id))],
+        [Read(AttemptRow, sql.attempts_by_id(run_id, attempt_ids))],
         their_slots,
         waiting=running,
         # a filtered group's slot borrows, or takes a spare prompt

@@ -173,16 +173,25 @@ _KEYS = {cls: _key_of(cls) for cls in (RunRow, StepRow, SlotRow, AttemptRow, Gro
 
 @dataclass(frozen=True)
 class Read:
-    """One read of `RowStore.load_all`: `statement` selects every column of `cls`'s table, in
-    the table's order, then the columns named in `extra`; with no `cls`, just those."""
+    """One read of `RowStore.load_all`: `statement` (a `sql.Query`, or a plain statement)
+    selects every column of `cls`'s table, in the table's order, then the columns named in
+    `extra`; with no `cls`, just those."""
 
     cls: type[Row] | None
-    statement: Select
+    statement: Select | sql.Query
     extra: tuple[str, ...] = ()
 
     @property
     def names(self) -> tuple[str, ...]:
         return (*_column_keys(self.cls), *self.extra)
+
+    @property
+    def query(self) -> sql.Query:
+        return _as_query(self.statement)
+
+
+def _as_query(statement: Select | sql.Query) -> sql.Query:
+    return statement if isinstance(statement, sql.Query) else sql.Query(statement, {})
 
 
 @cache
@@ -218,6 +227,26 @@ def _json_row(alias: str, names: tuple[str, ...]) -> str:
     return f"json_build_array({', '.join(f'{alias}.{name}' for name in names)})"
 
 
+@lru_cache(maxsize=256)
+def _together(reads: tuple[tuple[type[Row] | None, tuple[str, ...], Select], ...]) -> Select:
+    """The statement `RowStore.load_all` runs on PostgreSQL for reads of these classes, extra
+    columns and statements: each read's rows aggregated into a JSON array in its own order.
+    Built once for each combination of the statements `models/sql.py` builds once, so that its
+    cache key is computed once too (a batch's reads come in a few combinations)."""
+    arrays = []
+    for i, (cls, extra, statement) in enumerate(reads):
+        order = statement._order_by_clauses
+        if order:
+            # The row's place in the read's order, numbered before its LIMIT applies: the
+            # aggregate is ordered by it (a subquery's order does not bind an aggregate).
+            statement = statement.add_columns(func.row_number().over(order_by=order).label("refill_n"))
+        alias = f"refill_read_{i}"
+        row = literal_column(_json_row(alias, (*_column_keys(cls), *extra)))
+        agg = func.json_agg(aggregate_order_by(row, literal_column(f"{alias}.refill_n"))) if order else func.json_agg(row)
+        arrays.append(select(func.coalesce(agg, literal_column("'[]'::json"))).select_from(statement.subquery(alias)).scalar_subquery())
+    return select(*arrays)
+
+
 class RowStore:
     """The rows of one run that an operation has read or made, by table and primary key."""
 
@@ -245,13 +274,13 @@ class RowStore:
 
     # --- reading -------------------------------------------------------------------------
 
-    def load(self, cls: type[Row], statement: Select, *, refresh: bool = False) -> list[Any]:
+    def load(self, cls: type[Row], statement: Select | sql.Query, *, refresh: bool = False) -> list[Any]:
         """The rows `statement` selects (columns of `cls.table`, the primary key among them),
         in its order. A row already here is returned as it is here: this operation's changes
         are newer than what the database holds until they are written. With `refresh` (a read
         that locks the rows), the columns this operation did not change take the values read:
         another transaction may have written them since the row was first read."""
-        result = self.session.execute(statement)
+        result = self.session.execute(*_as_query(statement))
         # All at once: iterating a result fetches it from the cursor a row at a time.
         return self.adopt(cls, tuple(result.keys()), result.all(), refresh=refresh)
 
@@ -289,27 +318,19 @@ class RowStore:
             out: list[list[Any]] = []
             for read in reads:
                 if read.cls is None:
-                    out.append([tuple(row) for row in self.session.execute(read.statement).all()])
+                    out.append([tuple(row) for row in self.session.execute(*read.query).all()])
                 elif read.extra:
                     out.append(self.load_with(read.cls, read.statement))
                 else:
                     out.append(self.load(read.cls, read.statement))
             return out
-        arrays = []
-        for i, read in enumerate(reads):
-            statement = read.statement
-            order = statement._order_by_clauses
-            if order:
-                # The row's place in the read's order, numbered before its LIMIT applies: the
-                # aggregate is ordered by it (a subquery's order does not bind an aggregate).
-                statement = statement.add_columns(func.row_number().over(order_by=order).label("refill_n"))
-            # The row spelled as text, once per shape: built from the subquery's columns it
-            # cost more Python per batch than the statements it replaces.
-            alias = f"refill_read_{i}"
-            row = literal_column(_json_row(alias, read.names))
-            agg = func.json_agg(aggregate_order_by(row, literal_column(f"{alias}.refill_n"))) if order else func.json_agg(row)
-            arrays.append(select(func.coalesce(agg, literal_column("'[]'::json"))).select_from(statement.subquery(alias)).scalar_subquery())
-        found = self.session.execute(select(*arrays)).one()
+        params: dict[str, Any] = {}
+        for read in reads:
+            for name, value in read.query.params.items():
+                if params.setdefault(name, value) != value:
+                    raise ValueError(f"load_all: two reads give parameter {name} different values")
+        statement = _together(tuple((read.cls, read.extra, read.query.statement) for read in reads))
+        found = self.session.execute(statement, params).one()
         out = []
         for read, value_rows in zip(reads, found, strict=True):
             if isinstance(value_rows, str | bytes):
@@ -340,10 +361,10 @@ class RowStore:
                 current[name] = value
                 saved[name] = value
 
-    def load_with(self, cls: type[Row], statement: Select) -> list[tuple[Any, tuple[Any, ...]]]:
+    def load_with(self, cls: type[Row], statement: Select | sql.Query) -> list[tuple[Any, tuple[Any, ...]]]:
         """`load` for a statement that selects more than the table's columns: each row with
         the values of the columns after them."""
-        result = self.session.execute(statement)
+        result = self.session.execute(*_as_query(statement))
         names = list(result.keys())
         width = sum(1 for name in names if name in cls.table.c)
         if names[:width] != [name for name in names if name in cls.table.c]:

@@ -10,9 +10,11 @@ trip (`RunContext.read_ahead`)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from enum import Enum
+from functools import cache
 from types import NoneType
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import (
     JSON,
@@ -146,16 +148,6 @@ def ids_in(column, ids):  # type: ignore[no-untyped-def]
     return _IdsIn(column, bindparam(None, list(ids), type_=_IdList(isinstance(column.type, BigInteger))))
 
 
-def slot_keys_in(step_column, idx_column, keys):  # type: ignore[no-untyped-def]
-    """`(step, idx) IN keys`, written per step as `step = s AND idx IN (...)`: PostgreSQL plans
-    a row-value IN list as a filter over every row of the step, and the per-step form as an
-    index condition."""
-    by_step: dict[int, set[int]] = {}
-    for step, idx in keys:
-        by_step.setdefault(step, set()).add(idx)
-    return or_(*(and_(step_column == step, literal_in(idx_column, sorted(idxs))) for step, idxs in sorted(by_step.items())))
-
-
 def literal(value):  # type: ignore[no-untyped-def]
     """A value written into the SQL: a partial index whose predicate names it (`status =
     'open'`) can serve the query under a generic (prepared) plan, where a bound parameter could
@@ -164,58 +156,158 @@ def literal(value):  # type: ignore[no-untyped-def]
 
 
 # --- the reads ---------------------------------------------------------------------------
+#
+# Each read is a statement built once per shape (`functools.cache`), with named parameters,
+# and the values of those parameters for one execution (`Query`). SQLAlchemy memoizes a
+# statement's cache key on the statement object: a statement built anew for every batch is
+# walked whole to compute its key again (with building it, about 1.3 ms of Python for a
+# batch's first read-ahead), while one built once is looked up. Lists whose values the plan
+# must see (`literal_in`) stay written into the SQL at execution (`_literal_list`).
 
 
-def unfinished_steps(run_id: int) -> Select[Any]:
+class Query(NamedTuple):
+    """A read: a statement built once for its shape and the values of its named parameters.
+    `session.execute(*query)` runs it."""
+
+    statement: Select[Any]
+    params: dict[str, Any]
+
+
+def _literal_list(name: str) -> Any:
+    """A list parameter written into the SQL when the statement runs, as `literal_in` writes
+    its values, but given with the execution's parameters: `column.in_(_literal_list("ids"))`."""
+    return bindparam(name, expanding=True, literal_execute=True)
+
+
+def _slot_keys_clause(step_column: Any, idx_column: Any, steps: int, prefix: str) -> ColumnElement[bool]:
+    """`(step, idx) IN keys` for keys of `steps` steps, written per step as `step = s AND idx IN
+    (...)`: PostgreSQL plans a row-value IN list as a filter over every row of the step, and
+    the per-step form as an index condition. The values are named after `prefix` (so that two
+    such clauses can share a statement): `prefix_step_i` and the list `prefix_idx_i`
+    (`_slot_key_params`)."""
+    return or_(
+        *(
+            and_(step_column == bindparam(f"{prefix}_step_{i}"), idx_column.in_(_literal_list(f"{prefix}_idx_{i}")))
+            for i in range(steps)
+        )
+    )
+
+
+def _slot_key_params(keys: Iterable[tuple[int, int]], prefix: str) -> tuple[int, dict[str, Any]]:
+    """The number of steps among `keys` and the parameters of `_slot_keys_clause` for them."""
+    by_step: dict[int, set[int]] = {}
+    for step, idx in keys:
+        by_step.setdefault(step, set()).add(idx)
+    params: dict[str, Any] = {}
+    for i, (step, idxs) in enumerate(sorted(by_step.items())):
+        params[f"{prefix}_step_{i}"] = step
+        params[f"{prefix}_idx_{i}"] = sorted(idxs)
+    return len(by_step), params
+
+
+@cache
+def _unfinished_steps() -> Select[Any]:
+    return select(*STEP_COLUMNS).where(_steps.c.run_id == bindparam("run_id"), _steps.c.status != literal(_STEP_TRAINED)).order_by(_steps.c.step)
+
+
+def unfinished_steps(run_id: int) -> Query:
     """The run's steps not trained yet, in step order: through the partial index of those
     (`ix_steps_unfinished`, whose predicate names 'trained'), not the primary key, which walks
     every step the run ever trained."""
-    return select(*STEP_COLUMNS).where(_steps.c.run_id == run_id, _steps.c.status != literal(_STEP_TRAINED)).order_by(_steps.c.step)
+    return Query(_unfinished_steps(), {"run_id": run_id})
 
 
-def steps(run_id: int, numbers: list[int]) -> Select[Any]:
+@cache
+def _steps_numbered() -> Select[Any]:
+    return select(*STEP_COLUMNS).where(_steps.c.run_id == bindparam("run_id"), _steps.c.step.in_(_literal_list("step_numbers")))
+
+
+def steps(run_id: int, numbers: list[int]) -> Query:
     """The steps numbered `numbers`."""
-    return select(*STEP_COLUMNS).where(_steps.c.run_id == run_id, literal_in(_steps.c.step, numbers))
+    return Query(_steps_numbered(), {"run_id": run_id, "step_numbers": list(numbers)})
 
 
-def open_slots(run_id: int, *, limit: int, waiting: bool = False) -> Select[Any]:
-    """The first `limit` open slots of open steps in (step, index) order; with `waiting`, only
-    those waiting on a replacement (their own prompt was filtered or dropped)."""
+@cache
+def _open_slots(waiting: bool) -> Select[Any]:
     conditions = [_slots.c.needs_replacement.is_(True)] if waiting else []
     return (
         select(*SLOT_COLUMNS)
         .join(_steps, (_steps.c.run_id == _slots.c.run_id) & (_steps.c.step == _slots.c.step))
-        .where(_slots.c.run_id == run_id, _slots.c.status == literal(_SLOT_OPEN), _steps.c.status == _STEP_OPEN, *conditions)
+        .where(_slots.c.run_id == bindparam("run_id"), _slots.c.status == literal(_SLOT_OPEN), _steps.c.status == _STEP_OPEN, *conditions)
         .order_by(_slots.c.step, _slots.c.idx)
-        .limit(limit)
+        .limit(bindparam("waiting_limit" if waiting else "open_limit"))
     )
 
 
-def live_attempts(run_id: int, slots_are: ColumnElement[bool]) -> Select[Any]:
-    """The live attempts aimed at the slots `slots_are` picks, in id order."""
-    return (
+def open_slots(run_id: int, *, limit: int, waiting: bool = False) -> Query:
+    """The first `limit` open slots of open steps in (step, index) order; with `waiting`, only
+    those waiting on a replacement (their own prompt was filtered or dropped)."""
+    return Query(_open_slots(waiting), {"run_id": run_id, "waiting_limit" if waiting else "open_limit": limit})
+
+
+@cache
+def _slots_at(steps: int) -> Select[Any]:
+    where = _slot_keys_clause(_slots.c.step, _slots.c.idx, steps, "slot")
+    return select(*SLOT_COLUMNS).where(_slots.c.run_id == bindparam("run_id"), where)
+
+
+def slots_at(run_id: int, keys: Iterable[tuple[int, int]]) -> Query:
+    """The slots at `keys` ((step, index) pairs), read by primary key (`_slot_keys_clause`)."""
+    steps, params = _slot_key_params(keys, "slot")
+    return Query(_slots_at(steps), {"run_id": run_id, **params})
+
+
+@cache
+def _attempts_by_id() -> Select[Any]:
+    # `run_id + 0`: found by primary key, the run checked on the rows. A plain `run_id = x`
+    # lets the planner read the run's every attempt by the run_id index and filter them by id,
+    # which it did whenever the table's statistics predate the run (3 ms a batch at 8,000
+    # attempts in `bench overhead`).
+    return select(*ATTEMPT_COLUMNS).where(_attempts.c.id.in_(_literal_list("attempt_ids")), _attempts.c.run_id + 0 == bindparam("run_id"))
+
+
+def attempts_by_id(run_id: int, ids: Iterable[int]) -> Query:
+    """The run's attempts among `ids`."""
+    return Query(_attempts_by_id(), {"run_id": run_id, "attempt_ids": list(ids)})
+
+
+@cache
+def _live_attempts(steps: int, lock: bool) -> Select[Any]:
+    where = _slot_keys_clause(_attempts.c.step, _attempts.c.slot_idx, steps, "live")
+    statement = (
         select(*ATTEMPT_COLUMNS)
-        .where(_attempts.c.run_id == run_id, slots_are, literal_in(_attempts.c.state, _LIVE))
+        .where(_attempts.c.run_id == bindparam("run_id"), where, literal_in(_attempts.c.state, _LIVE))
         .order_by(_attempts.c.id)
     )
+    return statement.with_for_update(key_share=True, skip_locked=True) if lock else statement
 
 
-def spares(run_id: int, after_id: int, limit: int) -> Select[Any]:
-    """The oldest `limit` untaken spare prompts with ids above `after_id`."""
+def live_attempts(run_id: int, keys: Iterable[tuple[int, int]], *, lock: bool = False) -> Query:
+    """The live attempts aimed at the slots at `keys`, in id order; with `lock`, locked
+    `FOR NO KEY UPDATE`, skipping those another transaction holds (`RunContext.live_attempt`
+    says why)."""
+    steps, params = _slot_key_params(keys, "live")
+    return Query(_live_attempts(steps, lock), {"run_id": run_id, **params})
+
+
+@cache
+def _spares_after() -> Select[Any]:
     return (
         select(*SPARE_COLUMNS)
-        .where(_spares.c.run_id == run_id, _spares.c.taken_at.is_(None), _spares.c.id > after_id)
+        .where(_spares.c.run_id == bindparam("run_id"), _spares.c.taken_at.is_(None), _spares.c.id > bindparam("spares_after"))
         .order_by(_spares.c.id)
-        .limit(limit)
+        .limit(bindparam("spares_limit"))
     )
 
 
-def lendable(run_id: int, max_lookahead_versions: int, limit: int) -> tuple[Select[Any], Select[Any]]:
-    """The groups a slot may borrow, as two reads of at most `limit` rows: the slots of open
-    steps that hold a committed group (with the group's weight version, `lender_version`),
-    latest step and then latest attempt first, and parked groups (attempt id and weight
-    version), oldest weights first. Groups of the earliest open step are left out: only an
-    earlier step may borrow, and none is open."""
+def spares(run_id: int, after_id: int, limit: int) -> Query:
+    """The oldest `limit` untaken spare prompts with ids above `after_id`."""
+    return Query(_spares_after(), {"run_id": run_id, "spares_after": after_id, "spares_limit": limit})
+
+
+@cache
+def _lendable() -> tuple[Select[Any], Select[Any]]:
+    run_id = bindparam("run_id")
     earliest_open = (
         select(func.min(_steps.c.step)).where(_steps.c.run_id == run_id, _steps.c.status == _STEP_OPEN).scalar_subquery()
     )
@@ -230,7 +322,7 @@ def lendable(run_id: int, max_lookahead_versions: int, limit: int) -> tuple[Sele
             _slots.c.step > earliest_open,
         )
         .order_by(_slots.c.step.desc(), _slots.c.group_attempt_id.desc())
-        .limit(limit)
+        .limit(bindparam("lenders_limit"))
     )
     # Two columns, not the groups: only the group a slot borrows is loaded (when it moves). A
     # parked group too stale for the earliest open step can serve none (it stays parked,
@@ -241,12 +333,23 @@ def lendable(run_id: int, max_lookahead_versions: int, limit: int) -> tuple[Sele
         .where(
             _groups.c.run_id == run_id,
             _groups.c.parked.is_(True),
-            _groups.c.weight_version >= earliest_open - max_lookahead_versions,
+            _groups.c.weight_version >= earliest_open - bindparam("max_lookahead"),
         )
         .order_by(_groups.c.weight_version, _groups.c.attempt_id)
-        .limit(limit)
+        .limit(bindparam("lenders_limit"))
     )
     return committed, parked
+
+
+def lendable(run_id: int, max_lookahead_versions: int, limit: int) -> tuple[Query, Query]:
+    """The groups a slot may borrow, as two reads of at most `limit` rows: the slots of open
+    steps that hold a committed group (with the group's weight version, `lender_version`),
+    latest step and then latest attempt first, and parked groups (attempt id and weight
+    version), oldest weights first. Groups of the earliest open step are left out: only an
+    earlier step may borrow, and none is open."""
+    committed, parked = _lendable()
+    params = {"run_id": run_id, "lenders_limit": limit, "max_lookahead": max_lookahead_versions}
+    return Query(committed, params), Query(parked, params)
 
 
 # --- the writes --------------------------------------------------------------------------

@@ -297,7 +297,7 @@ def test_reads_run_together_return_what_each_query_returns_alone(ledger) -> None
         alone = [
             store.load(r.cls, r.statement) if r.cls is not None and not r.extra
             else store.load_with(r.cls, r.statement) if r.cls is not None
-            else [tuple(row) for row in session.execute(r.statement).all()]
+            else [tuple(row) for row in session.execute(*r.query).all()]
             for r in reads()
         ]
         assert [len(rows) for rows in together] == [len(rows) for rows in alone]

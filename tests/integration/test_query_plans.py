@@ -14,8 +14,8 @@ from tests.support.driver import Driver
 from tests.support.plans import run_explained
 
 
-def _plan(session, statement) -> str:  # type: ignore[no-untyped-def]
-    sql = str(statement.compile(dialect=postgresql.dialect(), compile_kwargs={"literal_binds": True}))
+def _plan(session, statement, params=None) -> str:  # type: ignore[no-untyped-def]
+    sql = str(statement.params(params or {}).compile(dialect=postgresql.dialect(), compile_kwargs={"literal_binds": True}))
     return "\n".join(row[0] for row in session.execute(text("EXPLAIN " + sql)))
 
 
@@ -41,7 +41,7 @@ def test_a_long_runs_unfinished_steps_are_read_without_its_trained_ones(pg_ledge
         session.execute(text("ANALYZE steps"))
         unfinished = sql.unfinished_steps(d.run_id)  # what a batch reads
         earliest_open = select(func.min(Step.step)).where(Step.run_id == d.run_id, Step.status == StepStatus.OPEN.value)
-        raise Looked(_plan(session, unfinished), _plan(session, earliest_open), [row.step for row in session.execute(unfinished)])
+        raise Looked(_plan(session, *unfinished), _plan(session, earliest_open), [row.step for row in session.execute(*unfinished)])
 
     with pytest.raises(Looked) as looked:
         pg_ledger.transaction(look)
