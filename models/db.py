@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TypeVar
 
-from sqlalchemy import Engine, RowMapping, create_engine, event, func, select
+from sqlalchemy import Engine, RowMapping, bindparam, create_engine, event, func, select
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
@@ -185,6 +185,14 @@ class Ledger:
         self.engine.dispose()
 
 
+#: Built once: every transaction that changes a run starts with it.
+_LOCK_RUN = (
+    select(Run.__table__, func.now().label("refill_now"))
+    .where(Run.__table__.c.id == bindparam("run_id"))
+    .with_for_update(key_share=True)
+)
+
+
 def lock_run(session: Session, run_id: int) -> RowMapping:
     """Read a run's row (its columns, as a mapping) and hold its lock until the transaction
     ends.
@@ -204,9 +212,7 @@ def lock_run(session: Session, run_id: int) -> RowMapping:
     # not the key-share locks that other transactions' foreign-key checks take on the run's
     # row (a relay marking outbox rows sent, a worker's writes), which would otherwise queue
     # behind every batch and could close a deadlock with it.
-    found = session.execute(
-        select(runs, func.now().label("refill_now")).where(runs.c.id == run_id).with_for_update(key_share=True)
-    ).mappings().first()
+    found = session.execute(_LOCK_RUN, {"run_id": run_id}).mappings().first()
     if found is None:
         raise UnknownRun(run_id)
     remember_ledger_now(session, found["refill_now"])

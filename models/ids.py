@@ -26,9 +26,10 @@ their ids, drawn here on PostgreSQL and read back with `RETURNING` on SQLite.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any
 
-from sqlalchemy import Table, func, insert, select, text
+from sqlalchemy import Table, TextClause, func, insert, select, text
 from sqlalchemy.orm import Session
 
 from refill.models.sql import insert_rows
@@ -98,15 +99,11 @@ class IdBlocks:
     def _draw_expected(self) -> None:
         expected, self._expected = self._expected, {}
         tables = list(expected)
-        columns = ", ".join(
-            f"(SELECT array_agg(nextval(CAST(:sequence{i} AS regclass))) FROM generate_series(1, :count{i}))"
-            for i in range(len(tables))
-        )
         params: dict[str, Any] = {}
         for i, table in enumerate(tables):
             params[f"sequence{i}"] = _sequence(self.session, table)
             params[f"count{i}"] = expected[table]
-        drawn = self.session.execute(text(f"SELECT {columns}"), params).one()
+        drawn = self.session.execute(_drawing(len(tables)), params).one()
         for table, ids in zip(tables, drawn, strict=True):
             # After the ids still free (the list is popped from its end).
             self._free[table] = sorted(ids, reverse=True) + self._free.get(table, [])
@@ -115,7 +112,7 @@ class IdBlocks:
     def _draw(self, table: str, count: int) -> list[int]:
         """`count` fresh ids of `table`, ascending, in one query."""
         ids = self.session.scalars(
-            text("SELECT nextval(CAST(:sequence AS regclass)) FROM generate_series(1, :count)"),
+            _DRAW,
             {"sequence": _sequence(self.session, table), "count": count},
         ).all()
         return sorted(ids)
@@ -138,3 +135,16 @@ class IdBlocks:
             return ids
         returned = self.session.execute(insert(table).returning(table.c.id, sort_by_parameter_order=True), rows)
         return [int(i) for i in returned.scalars()]
+
+
+_DRAW = text("SELECT nextval(CAST(:sequence AS regclass)) FROM generate_series(1, :count)")
+
+
+@cache
+def _drawing(tables: int) -> TextClause:
+    """A block of ids from each of `tables` sequences in one query (`:sequenceI`, `:countI`),
+    built once per number of tables."""
+    columns = ", ".join(
+        f"(SELECT array_agg(nextval(CAST(:sequence{i} AS regclass))) FROM generate_series(1, :count{i}))" for i in range(tables)
+    )
+    return text(f"SELECT {columns}")

@@ -33,15 +33,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from itertools import pairwise
 
-from sqlalchemy import and_, case, func, or_, select, update
+from sqlalchemy import and_, case, or_, select, update
 
-from refill.models import decisions
+from refill.models import decisions, sql
 from refill.models.context import GROUP_COLUMNS, SLOT_COLUMNS, RunContext
 from refill.models.dataloader import mark_taken, take_spare
 from refill.models.metrics import zero_variance_from_counters
-from refill.models.rows import AttemptRow, GroupRow, SlotRow
+from refill.models.rows import AttemptRow, GroupRow, Read, SlotRow
 from refill.models.samplers import SlotView
 from refill.models.slots import LIVE, dispatch, fill, place, placement_candidates, release_to_extra
 from refill.models.sql import literal_in
@@ -67,8 +68,37 @@ def zero_variance_estimate(ctx: RunContext) -> decisions.ZeroVarianceEstimate:
     return decisions.ZeroVarianceEstimate(zero, total)
 
 
-def top_up(ctx: RunContext) -> int:
-    """Dispatch the extras the newest admitted step needs now; returns how many were sent."""
+@dataclass(frozen=True)
+class Counted:
+    """`top_up`'s counts read with a batch's other reads (`counts_read`), before the batch
+    changed anything: good for `top_up` while nothing was written since (`RowStore.writes`)."""
+
+    step: int
+    bound: int
+    writes: int
+    live: int
+    parked: int
+
+
+def counts_read(ctx: RunContext) -> Read | None:
+    """`top_up`'s counts as a read that can join a batch's first read-ahead (one round trip
+    fewer a batch), or None where `top_up` counts nothing. Its one row goes to `counted`."""
+    settings = ctx.settings
+    if not settings.over_dispatch or not settings.use_dynamic_sampling or not ctx.running or not ctx.run.next_step:
+        return None
+    step = ctx.run.next_step - 1
+    return Read(None, sql.dispatch_counts(ctx.run.id, step, step - settings.max_lookahead_versions), extra=("live", "parked"))
+
+
+def counted(ctx: RunContext, read: Read, found: list[tuple[int, int]]) -> Counted:
+    params = read.query.params
+    (live, parked), = found
+    return Counted(params["newest_step"], params["parked_bound"], ctx.rows.writes, int(live or 0), int(parked or 0))
+
+
+def top_up(ctx: RunContext, ahead: Counted | None = None) -> int:
+    """Dispatch the extras the newest admitted step needs now; returns how many were sent.
+    `ahead`: its counts, if read ahead with the batch (`counts_read`)."""
     settings = ctx.settings
     if not settings.over_dispatch or not settings.use_dynamic_sampling or not ctx.running:
         return 0
@@ -79,25 +109,16 @@ def top_up(ctx: RunContext) -> int:
     if newest is None or newest.status != StepStatus.OPEN.value:
         return 0
     # The step's live attempts, and the parked groups it may borrow (supply already
-    # committed): two counts in one round trip, as every batch of results asks for them.
-    # Counted in the database as it was before this batch, plus what the batch changed and
-    # has not written yet: writing it first, for these counts alone, cost every batch a
-    # second round of writes (the extras dispatched below are written with the rest).
+    # committed): counted in the database as it was before this batch, plus what the batch
+    # changed and has not written yet. Writing it first, for these counts alone, cost every
+    # batch a second round of writes (the extras dispatched below are written with the rest);
+    # read with the batch's other reads (`ahead`) while nothing was written since, they cost
+    # it no round trip of their own.
     bound = newest.step - settings.max_lookahead_versions
-    live, parked = ctx.session.execute(
-        select(
-            select(func.count())
-            .where(_attempts.c.run_id == ctx.run.id, literal_in(_attempts.c.state, LIVE), _attempts.c.step == newest.step)
-            .scalar_subquery(),
-            select(func.count())
-            .where(
-                _groups.c.run_id == ctx.run.id,
-                _groups.c.parked.is_(True),
-                _groups.c.weight_version >= bound,
-            )
-            .scalar_subquery(),
-        )
-    ).one()
+    if ahead is not None and (ahead.step, ahead.bound, ahead.writes) == (newest.step, bound, ctx.rows.writes):
+        live, parked = ahead.live, ahead.parked
+    else:
+        live, parked = ctx.session.execute(*sql.dispatch_counts(ctx.run.id, newest.step, bound)).one()
     live = int(live or 0) + ctx.rows.unwritten_change(
         AttemptRow, lambda row: row["state"] in LIVE and row["step"] == newest.step
     )

@@ -30,7 +30,7 @@ from refill.models.context import (
 )
 from refill.models.db import UnknownRun
 from refill.models.metrics import zero_variance_from_counters
-from refill.models.overdispatch import place_extra, top_up
+from refill.models.overdispatch import Counted, counted, counts_read, place_extra, top_up
 from refill.models.payload import ClaimCheckResult, ResultMessage
 from refill.models.rows import AttemptRow, GroupRow, Read, SlotRow
 from refill.models.slots import (
@@ -107,7 +107,7 @@ def record_results(
         with ctx:
             tolerance = ctx.settings.zero_variance_tolerance
             ctx.size_caches(len(items), sum(not r.error_kind and decisions.is_zero_variance(r.rewards, tolerance) for _, r in items))
-            attempts = _read_batch(ctx, [r.attempt_id for _, r in items])
+            attempts, ahead = _read_batch(ctx, [r.attempt_id for _, r in items])
             # About one new attempt (and its outbox row) per result; more come in growing blocks.
             ctx.ids.expect({"attempts": len(items), "outbox": len(items)})
             for position, result in items:
@@ -116,7 +116,7 @@ def record_results(
                 name = _discarded_payload(ctx, attempt, result)
                 if name is not None:
                     discarded.append((run_id, name))
-            top_up(ctx)
+            top_up(ctx, ahead)
         outbox_ids.extend(ctx.outbox_ids)
     return BatchResult([o for o in outcomes if o is not None], outbox_ids, discarded)
 
@@ -137,10 +137,11 @@ def _discarded_payload(ctx: RunContext, attempt: AttemptRow | None, result: Resu
     return result.payload.name
 
 
-def _read_batch(ctx: RunContext, attempt_ids: list[int]) -> dict[int, AttemptRow]:
+def _read_batch(ctx: RunContext, attempt_ids: list[int]) -> tuple[dict[int, AttemptRow], Counted | None]:
     """Read what the batch's decisions will look up, before they change anything: its attempts,
-    the slots they serve, and the first loads of the context's caches and the run's unfinished
-    steps (`RunContext.read_ahead`: two round trips)."""
+    the slots they serve, over-dispatch's counts (`overdispatch.counts_read`), and the first
+    loads of the context's caches and the run's unfinished steps (`RunContext.read_ahead`: two
+    round trips)."""
     run_id = ctx.run.id
 
     def their_slots(found: list[list[AttemptRow]]) -> list[Read]:
@@ -148,8 +149,9 @@ def _read_batch(ctx: RunContext, attempt_ids: list[int]) -> dict[int, AttemptRow
         return [Read(SlotRow, sql.slots_at(run_id, keys))] if keys else []
 
     settings, running = ctx.settings, ctx.running
+    counts = counts_read(ctx)
     found = ctx.read_ahead(
-        [Read(AttemptRow, sql.attempts_by_id(run_id, attempt_ids))],
+        [Read(AttemptRow, sql.attempts_by_id(run_id, attempt_ids)), *([counts] if counts else [])],
         their_slots,
         waiting=running,
         # a filtered group's slot borrows, or takes a spare prompt
@@ -157,7 +159,7 @@ def _read_batch(ctx: RunContext, attempt_ids: list[int]) -> dict[int, AttemptRow
         # an extra, or any group under another sampler, takes an open slot
         open_slots=running and (settings.over_dispatch or settings.sampler_name != "in_order"),
     )
-    return {a.id: a for a in found[0]}
+    return {a.id: a for a in found[0]}, counted(ctx, counts, found[1]) if counts else None
 
 
 def _reject(

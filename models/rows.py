@@ -271,6 +271,9 @@ class RowStore:
         #: id(row) -> the column values the database holds for it (as read, or last written)
         self._saved: dict[int, dict[str, Any]] = {}
         self._new: dict[type[Row], list[Row]] = {cls: [] for cls in _INSERT_ORDER}
+        #: how many times rows were written to the database: a count read before a write is
+        #: not the database's count after it (see `unwritten_change`)
+        self.writes = 0
 
     # --- reading -------------------------------------------------------------------------
 
@@ -411,6 +414,7 @@ class RowStore:
         if "id" in cls.table.c and row.id is None:
             table = cls.table
             row.id = self.session.execute(insert(table).values(_insert_values(table, [row])[0]).returning(table.c.id)).scalar_one()
+            self.writes += 1
             self._saved[id(row)] = dict(row.__dict__)
             _written(row)
         else:
@@ -448,6 +452,7 @@ class RowStore:
             written += len(new)
         for cls in _UPDATE_ORDER:
             written += self._write_changes(cls)
+        self.writes += bool(written)
         return written
 
     def _write_changes(self, cls: type[Row]) -> int:
@@ -489,11 +494,7 @@ class RowStore:
     def _update(self, table: Table, keys: list[str], rows: list[Row]) -> None:
         primary = [column.key for column in table.primary_key.columns]
         if not self.postgres or len(rows) < 2:
-            statement = (
-                update(table)
-                .where(and_(*(table.c[name] == bindparam(f"k_{name}") for name in primary)))
-                .values({key: bindparam(f"v_{key}") for key in keys})
-            )
+            statement = _row_update(table, tuple(primary), tuple(keys))
             params = [
                 {**{f"k_{name}": row.__dict__[name] for name in primary}, **{f"v_{key}": row.__dict__[key] for key in keys}}
                 for row in rows
@@ -543,26 +544,40 @@ def _insert_values(table: Table, rows: list[Row]) -> list[dict[str, Any]]:
     return values
 
 
+@lru_cache(maxsize=512)
+def _row_update(table: Table, primary: tuple[str, ...], keys: tuple[str, ...]) -> Any:
+    """`UPDATE table SET key = :v_key ... WHERE pk = :k_pk`, built once per table and set of
+    columns (a statement built once has its cache key computed once)."""
+    return (
+        update(table)
+        .where(and_(*(table.c[name] == bindparam(f"k_{name}") for name in primary)))
+        .values({key: bindparam(f"v_{key}") for key in keys})
+    )
+
+
 def _unnest_update(session: Session, table: Table, primary: list[str], keys: list[str], rows: list[Row]):  # type: ignore[no-untyped-def]
     """`UPDATE table AS t SET c = v.c ... FROM unnest(...) AS v(...) WHERE t.pk = v.pk`, one
     array parameter per column: a statement psycopg prepares once, whatever the row count."""
     dialect = session.get_bind().dialect
-    names = [*primary, *keys]
     arrays: dict[str, list[Any]] = {}
-    casts = []
     for i, name in enumerate(primary):
         arrays[f"k{i}"] = sql.driver_values(dialect, table.c[name], [row.__dict__[name] for row in rows])
-        casts.append(f"CAST(:k{i} AS {table.c[name].type.compile(dialect)}[])")
     for i, key in enumerate(keys):
-        column = table.c[key]
         # As a per-row update writes each value: a JSON None is JSON null, an int in a float
         # column a float (psycopg refuses an array of mixed types).
-        arrays[f"c{i}"] = sql.driver_values(dialect, column, [row.__dict__[key] for row in rows])
-        casts.append(f"CAST(:c{i} AS {column.type.compile(dialect)}[])")
+        arrays[f"c{i}"] = sql.driver_values(dialect, table.c[key], [row.__dict__[key] for row in rows])
+    return _unnest_statement(dialect, table, tuple(primary), tuple(keys)), arrays
+
+
+@lru_cache(maxsize=512)
+def _unnest_statement(dialect: Any, table: Table, primary: tuple[str, ...], keys: tuple[str, ...]) -> Any:
+    """The statement of `_unnest_update`, built once per table and set of columns."""
+    casts = [f"CAST(:k{i} AS {table.c[name].type.compile(dialect)}[])" for i, name in enumerate(primary)]
+    casts += [f"CAST(:c{i} AS {table.c[key].type.compile(dialect)}[])" for i, key in enumerate(keys)]
     assignments = ", ".join(f"{key} = v.{key}" for key in keys)
     match = " AND ".join(f"t.{name} = v.{name}" for name in primary)
-    statement = text(
+    names = [*primary, *keys]
+    return text(
         f"UPDATE {table.name} AS t SET {assignments} "
         f"FROM unnest({', '.join(casts)}) AS v({', '.join(names)}) WHERE {match}"
-    ).bindparams(*(bindparam(name) for name in arrays))
-    return statement, arrays
+    ).bindparams(*(bindparam(f"k{i}") for i in range(len(primary))), *(bindparam(f"c{i}") for i in range(len(keys))))

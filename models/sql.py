@@ -352,6 +352,24 @@ def lendable(run_id: int, max_lookahead_versions: int, limit: int) -> tuple[Quer
     return Query(committed, params), Query(parked, params)
 
 
+@cache
+def _dispatch_counts() -> Select[Any]:
+    run_id = bindparam("run_id")
+    live = select(func.count()).where(
+        _attempts.c.run_id == run_id, literal_in(_attempts.c.state, _LIVE), _attempts.c.step == bindparam("newest_step")
+    )
+    parked = select(func.count()).where(
+        _groups.c.run_id == run_id, _groups.c.parked.is_(True), _groups.c.weight_version >= bindparam("parked_bound")
+    )
+    return select(live.scalar_subquery().label("live"), parked.scalar_subquery().label("parked"))
+
+
+def dispatch_counts(run_id: int, step: int, bound: int) -> Query:
+    """Over-dispatch's two counts (`overdispatch.top_up`), one row: the live attempts of step
+    `step`, and the parked groups generated with weights `bound` or newer."""
+    return Query(_dispatch_counts(), {"run_id": run_id, "newest_step": step, "parked_bound": bound})
+
+
 # --- the writes --------------------------------------------------------------------------
 
 

@@ -269,3 +269,63 @@ def test_the_extras_of_a_top_up_take_their_spares_with_one_read(pg_ledger, monke
     assert len(made) == 2
     assert spares[:2] == [(a.prompt_id, a.id) for a in made]
     assert all(taker is None for _, taker in spares[2:])
+
+
+def _count_statements(ledger, run):  # type: ignore[no-untyped-def]
+    """The SELECTs with a count that `run` sends, and what it returns."""
+    from sqlalchemy import event
+
+    seen: list[str] = []
+
+    def record(conn, cursor, statement, *args):  # type: ignore[no-untyped-def]
+        if statement.lstrip().upper().startswith("SELECT") and "count(" in statement:
+            seen.append(statement)
+
+    event.listen(ledger.engine, "before_cursor_execute", record)
+    try:
+        return seen, run()
+    finally:
+        event.remove(ledger.engine, "before_cursor_execute", record)
+
+
+def test_a_batch_reads_over_dispatchs_counts_with_its_other_reads(pg_ledger) -> None:  # type: ignore[no-untyped-def]
+    """The live attempts and parked groups over-dispatch counts come with the batch's first
+    read-ahead: no statement of their own, and the same extras as when counted alone."""
+    d = Driver(pg_ledger, over_dispatch(lookahead=1, sigmas=0.0))
+    d.admit()
+    d.start_all([a.id for a in d.live()])
+    assert len(extras(d, 1)) == 2
+    batch = [d.result(d.live_of(1, 0).id, FLAT), d.result(d.live_of(1, 1).id, FLAT), d.result(d.live_of(1, 2).id, SPREAD)]
+    seen, _ = _count_statements(pg_ledger, lambda: d.record(*batch))
+    assert len(extras(d, 1)) == 3  # as test_a_batch_that_dispatches_extras_writes_each_table_once
+    assert len(seen) == 1 and "json_agg" in seen[0], seen
+
+
+def test_counts_read_ahead_are_not_used_once_the_batch_wrote_rows(pg_ledger) -> None:  # type: ignore[no-untyped-def]
+    """A count read before a write is not the database's count after it: `top_up` counts
+    again when the batch wrote rows after its read-ahead (a cache that ran short flushes)."""
+    from refill.models.context import RunContext
+    from refill.models.overdispatch import counted, counts_read, top_up
+
+    d = Driver(pg_ledger, over_dispatch(lookahead=1, sigmas=0.0))
+    d.admit()
+
+    def look(write: bool):  # type: ignore[no-untyped-def]
+        def transaction(session):  # type: ignore[no-untyped-def]
+            ctx = RunContext.open(session, d.run_id)
+            read = counts_read(ctx)
+            assert read is not None
+            ahead = counted(ctx, read, ctx.rows.load_all([read])[0])
+            assert (ahead.step, ahead.live) == (1, 6)  # 4 slots and 2 extras, none finished
+            if write:
+                ctx.run.scored_groups += 1
+                ctx.flush()
+            seen, _ = _count_statements(pg_ledger, lambda: top_up(ctx, ahead))
+            raise Rollback(seen)
+
+        with pytest.raises(Rollback) as looked:
+            pg_ledger.transaction(transaction)
+        return looked.value.args[0]
+
+    assert look(write=False) == []
+    assert len(look(write=True)) == 1
