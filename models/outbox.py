@@ -13,15 +13,17 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from functools import cache
 from typing import Any
 
-from sqlalchemy import case, delete, func, or_, select, text, update
+from sqlalchemy import DateTime, Interval, bindparam, case, delete, func, or_, select, text, update
 from sqlalchemy.orm import Session
 
 from refill.config import from_snapshot
+from refill.models.column_types import UTCDateTime
 from refill.models.payload import GenerateMessage
 from refill.models.settings import LedgerSettings, cached_settings, settings_for
-from refill.models.sql import ids_in, literal_in
+from refill.models.sql import ids_in, ids_param, literal_in
 from refill.models.tables import (
     Attempt,
     AttemptState,
@@ -170,18 +172,9 @@ def _sendable_attempts(session: Session, attempt_ids: list[int]) -> tuple[dict[i
     did not return are read only when there are such (a cancellation, a busy row: rare)."""
     if not attempt_ids:
         return {}, set()
-    attempts_table, prompts = Attempt.__table__, Prompt.__table__
+    attempts_table = Attempt.__table__
     sendable_states = (AttemptState.PENDING.value, AttemptState.QUEUED.value)
-    found = {
-        row.id: row
-        for row in session.execute(
-            select(attempts_table.c.id, attempts_table.c.min_weight_version, prompts.c.text, prompts.c.row)
-            .join(prompts, prompts.c.id == attempts_table.c.prompt_id)
-            .where(ids_in(attempts_table.c.id, attempt_ids), literal_in(attempts_table.c.state, sendable_states))
-            .order_by(attempts_table.c.id)
-            .with_for_update(key_share=True, skip_locked=True, of=attempts_table)
-        ).all()
-    }
+    found = {row.id: row for row in session.execute(_SENDABLE, {"ids": attempt_ids}).all()}
     others = [attempt for attempt in attempt_ids if attempt not in found]
     busy: set[int] = set()
     if others:
@@ -195,6 +188,18 @@ def _sendable_attempts(session: Session, attempt_ids: list[int]) -> tuple[dict[i
     return found, busy
 
 
+_SENDABLE = (
+    select(Attempt.__table__.c.id, Attempt.__table__.c.min_weight_version, Prompt.__table__.c.text, Prompt.__table__.c.row)
+    .join(Prompt.__table__, Prompt.__table__.c.id == Attempt.__table__.c.prompt_id)
+    .where(
+        ids_param(Attempt.__table__.c.id, "ids"),
+        literal_in(Attempt.__table__.c.state, (AttemptState.PENDING.value, AttemptState.QUEUED.value)),
+    )
+    .order_by(Attempt.__table__.c.id)
+    .with_for_update(key_share=True, skip_locked=True, of=Attempt.__table__)
+)
+
+
 def _due_rows(
     session: Session,
     now: datetime,
@@ -204,7 +209,24 @@ def _due_rows(
     run_id: int | None = None,
     kind: str | None = None,
 ) -> list[Any]:
+    sql_now, clock = _clock(now)
+    params: dict[str, Any] = {"limit": limit, **clock}
+    if ids is not None:
+        params["ids"] = ids
+    if run_id is not None:
+        params["run_id"] = run_id
+    if kind is not None:
+        params["kind"] = kind
+    # Plain rows, not ORM objects, and one UPDATE per kind of change below: a relay pass
+    # handles up to `limit` rows, and the ORM's per-object bookkeeping cost more than the SQL.
+    return list(session.execute(_due_statement(ids is not None, run_id is not None, kind is not None, sql_now), params).all())
+
+
+@cache
+def _due_statement(by_ids: bool, by_run: bool, by_kind: bool, sql_now: bool) -> Any:
+    """`_due_rows`' statement for the filters it is given, built once (see `sql.Query`)."""
     table, runs = Outbox.__table__, Run.__table__
+    now = _now(sql_now)
     query = (
         select(
             table.c.id,
@@ -224,18 +246,16 @@ def _due_rows(
             or_(table.c.claimed_until.is_(None), table.c.claimed_until < now),
         )
         .order_by(table.c.id)
-        .limit(limit)
+        .limit(bindparam("limit"))
         .with_for_update(skip_locked=True, of=table)
     )
-    if ids is not None:
-        query = query.where(ids_in(table.c.id, ids))
-    if run_id is not None:
-        query = query.where(table.c.run_id == run_id)
-    if kind is not None:
-        query = query.where(table.c.kind == kind)
-    # Plain rows, not ORM objects, and one UPDATE per kind of change below: a relay pass
-    # handles up to `limit` rows, and the ORM's per-object bookkeeping cost more than the SQL.
-    return list(session.execute(query).all())
+    if by_ids:
+        query = query.where(ids_param(table.c.id, "ids"))
+    if by_run:
+        query = query.where(table.c.run_id == bindparam("run_id"))
+    if by_kind:
+        query = query.where(table.c.kind == bindparam("kind"))
+    return query
 
 
 def _within_room(rows: list[Any], room: dict[int, int]) -> list[Any]:
@@ -405,16 +425,14 @@ def mark_sent(session: Session, sent: list[Outgoing], now: datetime) -> None:
     """Record that these messages reached the broker; their attempts are now queued."""
     if not sent:
         return
-    table = Outbox.__table__
     # Rows claimed earlier (sender None) only become sent; the others count their send here.
     by_sender: dict[str | None, list[int]] = {}
     for message in sent:
         by_sender.setdefault(message.sender, []).append(message.outbox_id)
+    sql_now, clock = _clock(now)
     for sender, outbox_ids in by_sender.items():
-        marked = update(table).where(ids_in(table.c.id, outbox_ids)).values(sent_at=now)
-        if sender is not None:
-            marked = marked.values(claimed_by=sender, send_count=table.c.send_count + 1)
-        session.execute(marked)
+        by = {} if sender is None else {"sender": sender}
+        session.execute(_mark_sent(sender is not None, sql_now), {"ids": outbox_ids, **clock, **by})
     by_timeout: dict[float, list[int]] = {}
     for message in sent:
         if message.kind == OutboxKind.GENERATE.value:
@@ -424,13 +442,46 @@ def mark_sent(session: Session, sent: list[Outgoing], now: datetime) -> None:
                     "mark_sent takes the messages claim_outbox returned"
                 )
             by_timeout.setdefault(message.queue_timeout_seconds, []).append(message.body["attempt_id"])
-    attempts = Attempt.__table__
     for seconds, attempt_ids in by_timeout.items():
-        timeout = timedelta(seconds=seconds)
         # Only a pending attempt becomes queued: a fast worker may already hold its lease.
         # `claim_outbox` locked their rows in this transaction (the relay's way): no wait here.
-        session.execute(
-            update(attempts)
-            .where(ids_in(attempts.c.id, attempt_ids), attempts.c.state == AttemptState.PENDING.value)
-            .values(state=AttemptState.QUEUED.value, dispatched_at=now, leased_until=now + timeout)
-        )
+        timeout = timedelta(seconds=seconds)
+        lease = {"timeout": timeout} if sql_now else {"until": now + timeout}
+        session.execute(_mark_queued(sql_now), {"ids": attempt_ids, **lease, **clock})
+
+
+def _now(sql_now: bool) -> Any:
+    """The clock in a statement built once: a parameter `now`, or the database's `now()` where
+    the caller passed the ledger's clock as SQL (`ledger_now_in`)."""
+    return func.now(type_=DateTime(timezone=True)) if sql_now else bindparam("now", type_=UTCDateTime())
+
+
+def _clock(now: Any) -> tuple[bool, dict[str, Any]]:
+    """Whether `now` is the database's `now()` (SQL, not a time), and the parameters it takes."""
+    if isinstance(now, datetime):
+        return False, {"now": now}
+    if getattr(now, "name", None) != "now":
+        raise TypeError(f"the relay's clock must be a datetime or the ledger's now(), not {now!r}")
+    return True, {}
+
+
+@cache
+def _mark_sent(by_sender: bool, sql_now: bool) -> Any:
+    """`mark_sent`'s UPDATE of outbox rows, built once (see `sql.Query`)."""
+    table = Outbox.__table__
+    marked = update(table).where(ids_param(table.c.id, "ids")).values(sent_at=_now(sql_now))
+    return marked.values(claimed_by=bindparam("sender"), send_count=table.c.send_count + 1) if by_sender else marked
+
+
+@cache
+def _mark_queued(sql_now: bool) -> Any:
+    """`mark_sent`'s UPDATE of the sent rows' attempts, built once."""
+    attempts = Attempt.__table__
+    now = _now(sql_now)
+    # A time given is summed here (SQLite has no interval sum), the database's clock there.
+    until = now + bindparam("timeout", type_=Interval()) if sql_now else bindparam("until", type_=UTCDateTime())
+    return (
+        update(attempts)
+        .where(ids_param(attempts.c.id, "ids"), attempts.c.state == AttemptState.PENDING.value)
+        .values(state=AttemptState.QUEUED.value, dispatched_at=now, leased_until=until)
+    )

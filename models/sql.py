@@ -148,6 +148,12 @@ def ids_in(column, ids):  # type: ignore[no-untyped-def]
     return _IdsIn(column, bindparam(None, list(ids), type_=_IdList(isinstance(column.type, BigInteger))))
 
 
+def ids_param(column, name: str):  # type: ignore[no-untyped-def]
+    """`ids_in` with the list given at execution, as the parameter `name`: for a statement
+    built once (see `Query`)."""
+    return _IdsIn(column, bindparam(name, type_=_IdList(isinstance(column.type, BigInteger))))
+
+
 def literal(value):  # type: ignore[no-untyped-def]
     """A value written into the SQL: a partial index whose predicate names it (`status =
     'open'`) can serve the query under a generic (prepared) plan, where a bound parameter could
