@@ -561,11 +561,11 @@ def _unnest_update(session: Session, table: Table, primary: list[str], keys: lis
     dialect = session.get_bind().dialect
     arrays: dict[str, list[Any]] = {}
     for i, name in enumerate(primary):
-        arrays[f"k{i}"] = sql.driver_values(dialect, table.c[name], [row.__dict__[name] for row in rows])
+        arrays[f"k{i}"] = sql.array_text(sql.driver_values(dialect, table.c[name], [row.__dict__[name] for row in rows]))
     for i, key in enumerate(keys):
         # As a per-row update writes each value: a JSON None is JSON null, an int in a float
         # column a float (psycopg refuses an array of mixed types).
-        arrays[f"c{i}"] = sql.driver_values(dialect, table.c[key], [row.__dict__[key] for row in rows])
+        arrays[f"c{i}"] = sql.array_text(sql.driver_values(dialect, table.c[key], [row.__dict__[key] for row in rows]))
     return _unnest_statement(dialect, table, tuple(primary), tuple(keys)), arrays
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from datetime import datetime
 from enum import Enum
 from functools import cache
 from types import NoneType
@@ -448,3 +449,35 @@ def driver_values(dialect: Any, column: Any, values: list[Any]) -> list[Any]:
     if item is not None and not {type(value) for value in values} <= {item, NoneType}:
         values = [None if value is None else item(value.value if isinstance(value, Enum) else value) for value in values]
     return values
+
+
+def _quoted(value: str) -> str:
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+#: How `array_text` writes a value of each Python type an array parameter holds.
+_ELEMENT_TEXT: dict[type, Any] = {
+    int: str,
+    float: repr,  # the shortest exact form; 'nan', 'inf' and '-inf' are PostgreSQL's too
+    bool: lambda value: "t" if value else "f",
+    str: _quoted,
+    datetime: lambda value: '"' + value.isoformat(" ") + '"',
+}
+
+
+def array_text(values: list[Any]) -> str | list[Any]:
+    """`values` (one Python type and None, as `driver_values` returns them) as the text of a
+    PostgreSQL array, `{1,NULL,3}`, for a parameter the statement casts to the array's type;
+    the list itself for a type not written here (psycopg then spells it).
+
+    psycopg spells a list parameter element by element in Python, about 1 µs a number or a
+    string and 6 µs a timestamp: a batch's `UPDATE ... FROM unnest` sends a couple of thousand
+    values, about a tenth of its Python (bench/README.md). Joined here it is a tenth of that."""
+    kinds = {type(value) for value in values}
+    kinds.discard(NoneType)
+    if len(kinds) > 1:
+        return values
+    text = _ELEMENT_TEXT.get(kinds.pop()) if kinds else str
+    if text is None:
+        return values
+    return "{" + ",".join(["NULL" if value is None else text(value) for value in values]) + "}"
