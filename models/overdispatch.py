@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 
-from sqlalchemy import and_, case, or_, select, update
+from sqlalchemy import and_, bindparam, case, or_, select, update
 
 from refill.models import decisions, sql
 from refill.models.context import GROUP_COLUMNS, SLOT_COLUMNS, RunContext
@@ -259,19 +259,35 @@ def _running_with_old_weights(ctx: RunContext) -> dict[tuple[int, int], int]:
     transaction: a batch places hundreds of extras, and attempts that start meanwhile (in the
     workers' transactions) are the ones a snapshot may miss, which only makes a slot eligible."""
     if ctx.old_running is None:
-        lookahead = ctx.settings.max_lookahead_versions
-        ctx.old_running = {
-            (step, idx): attempt_id
-            for attempt_id, step, idx in ctx.session.execute(
-                select(_attempts.c.id, _attempts.c.step, _attempts.c.slot_idx).where(
-                    _attempts.c.run_id == ctx.run.id,
-                    _attempts.c.state == _RUNNING,
-                    _attempts.c.slot_idx.is_not(None),
-                    _attempts.c.min_weight_version + lookahead <= _attempts.c.step,
-                )
-            ).all()
-        }
+        params = {"run_id": ctx.run.id, "lookahead": ctx.settings.max_lookahead_versions}
+        ctx.old_running = {(step, idx): attempt_id for attempt_id, step, idx in ctx.session.execute(_OLD_RUNNING, params).all()}
     return ctx.old_running
+
+
+# The per-batch statements below, built once (see `sql.Query`).
+_OLD_RUNNING = select(_attempts.c.id, _attempts.c.step, _attempts.c.slot_idx).where(
+    _attempts.c.run_id == bindparam("run_id"),
+    _attempts.c.state == _RUNNING,
+    _attempts.c.slot_idx.is_not(None),
+    _attempts.c.min_weight_version + bindparam("lookahead") <= _attempts.c.step,
+)
+_PARKED_FOR_STEP = (
+    select(*GROUP_COLUMNS)
+    .where(
+        _groups.c.run_id == bindparam("run_id"),
+        _groups.c.parked.is_(True),
+        _groups.c.weight_version >= bindparam("oldest"),
+        _groups.c.weight_version <= bindparam("step"),
+    )
+    .order_by(_groups.c.weight_version, _groups.c.attempt_id)
+    .limit(bindparam("limit"))
+)
+_OPEN_OF_STEP = (
+    select(*SLOT_COLUMNS)
+    .where(_slots.c.run_id == bindparam("run_id"), _slots.c.step == bindparam("step"), _slots.c.status == SlotStatus.OPEN.value)
+    .order_by(_slots.c.needs_replacement.desc(), _slots.c.idx)
+    .limit(bindparam("limit"))
+)
 
 
 def fill_tails_from_parked(ctx: RunContext) -> int:
@@ -294,28 +310,13 @@ def fill_tails_from_parked(ctx: RunContext) -> int:
             ctx.flush()
             flushed = True
         groups = ctx.rows.load(
-            GroupRow,
-            select(*GROUP_COLUMNS)
-            .where(
-                _groups.c.run_id == ctx.run.id,
-                _groups.c.parked.is_(True),
-                _groups.c.weight_version >= step.step - lookahead,
-                _groups.c.weight_version <= step.step,
-            )
-            .order_by(_groups.c.weight_version, _groups.c.attempt_id)
-            .limit(open_count),
+            GroupRow, sql.Query(_PARKED_FOR_STEP, {"run_id": ctx.run.id, "oldest": step.step - lookahead, "step": step.step, "limit": open_count})
         )
         # Placed by an earlier step of this loop, not written yet: not parked any more.
         groups = [group for group in groups if group.parked]
         if not groups:
             continue
-        slots = ctx.rows.load(
-            SlotRow,
-            select(*SLOT_COLUMNS)
-            .where(_slots.c.run_id == ctx.run.id, _slots.c.step == step.step, _slots.c.status == SlotStatus.OPEN.value)
-            .order_by(_slots.c.needs_replacement.desc(), _slots.c.idx)
-            .limit(len(groups)),
-        )
+        slots = ctx.rows.load(SlotRow, sql.Query(_OPEN_OF_STEP, {"run_id": ctx.run.id, "step": step.step, "limit": len(groups)}))
         ctx.prefetch_live(slots)
         for slot, group in zip(slots, groups, strict=False):
             if step.status != StepStatus.OPEN.value:
