@@ -91,8 +91,10 @@ def counts_read(ctx: RunContext) -> Read | None:
 
 
 def counted(ctx: RunContext, read: Read, found: list[tuple[int, int]]) -> Counted:
+    """What `read` (from `counts_read`) found, as `top_up` takes it, stamped with how many
+    times the batch had written rows when it was read."""
     params = read.query.params
-    (live, parked), = found
+    [(live, parked)] = found
     return Counted(params["newest_step"], params["parked_bound"], ctx.rows.writes, int(live or 0), int(parked or 0))
 
 

@@ -25,9 +25,7 @@ from sqlalchemy.orm import Session
 
 from refill.models import decisions, rollout_codec, sql
 from refill.models.clock import ledger_now
-from refill.models.context import (
-    RunContext,
-)
+from refill.models.context import RunContext
 from refill.models.db import UnknownRun
 from refill.models.metrics import zero_variance_from_counters
 from refill.models.overdispatch import Counted, counted, counts_read, place_extra, top_up
