@@ -169,7 +169,8 @@ def literal(value):  # type: ignore[no-untyped-def]
 # statement's cache key on the statement object: a statement built anew for every batch is
 # walked whole to compute its key again (with building it, about 1.3 ms of Python for a
 # batch's first read-ahead), while one built once is looked up. Lists whose values the plan
-# must see (`literal_in`) stay written into the SQL at execution (`_literal_list`).
+# must see (`literal_in`) stay written into the SQL at execution (`_literal_list`); lists found
+# by a primary key are bound (`ids_param`).
 
 
 class Query(NamedTuple):
@@ -269,8 +270,11 @@ def _attempts_by_id() -> Select[Any]:
     # `run_id + 0`: found by primary key, the run checked on the rows. A plain `run_id = x`
     # lets the planner read the run's every attempt by the run_id index and filter them by id,
     # which it did whenever the table's statistics predate the run (3 ms a batch at 8,000
-    # attempts in `bench overhead`).
-    return select(*ATTEMPT_COLUMNS).where(_attempts.c.id.in_(_literal_list("attempt_ids")), _attempts.c.run_id + 0 == bindparam("run_id"))
+    # attempts in `bench overhead`). The ids bound as one array (`ids_param`), not written
+    # into the SQL: found by primary key, any plan serves them, and a batch's first read-ahead
+    # then has the same text every time, so psycopg prepares it and PostgreSQL plans it once
+    # rather than on every batch (about 1 ms; test_query_plans.py checks that plan).
+    return select(*ATTEMPT_COLUMNS).where(ids_param(_attempts.c.id, "attempt_ids"), _attempts.c.run_id + 0 == bindparam("run_id"))
 
 
 def attempts_by_id(run_id: int, ids: Iterable[int]) -> Query:

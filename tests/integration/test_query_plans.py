@@ -11,7 +11,7 @@ from sqlalchemy.dialects import postgresql
 from refill.models import sql
 from refill.models.tables import Step, StepStatus
 from tests.support.driver import Driver
-from tests.support.plans import run_explained
+from tests.support.plans import run_explained, run_explained_generic
 
 
 def _plan(session, statement, params=None) -> str:  # type: ignore[no-untyped-def]
@@ -99,3 +99,52 @@ def test_a_metered_relay_pass_reads_its_runs_first_rows_whatever_the_statistics_
     rows, buffers = run_explained(pg_ledger, statement, parameters)
     assert rows == DEFAULT_QUEUED_PER_SHARE
     assert buffers < 2000, f"a relay pass touched {buffers} buffers for {DEFAULT_QUEUED_PER_SHARE} rows of 5,000"
+
+
+def test_a_batchs_first_read_ahead_under_a_generic_plan_reads_about_its_own_rows(pg_ledger) -> None:  # type: ignore[no-untyped-def]
+    """The first read of a batch of results (its attempts by id, over-dispatch's counts, the
+    run's unfinished steps, waiting slots, lenders, spare prompts and open slots) has the same
+    text for every batch, so psycopg prepares it and PostgreSQL may plan it once for any values.
+    That plan must still find the batch's attempts by their ids and the run's rows by their
+    indexes: beside 40,000 attempts and 20,000 slots of another run, with statistics from before
+    those rows and after them, it touches under 600 buffers (150-190 when written; with index
+    scans turned off, about 7,000)."""
+    from sqlalchemy import event
+
+    d = Driver(pg_ledger, {"grpo": {"num_prompts_per_step": 64}, "async_rl": {"over_dispatch": {"enabled": True}}}, num_prompts=512)
+    d.admit()
+    d.start_all([a.id for a in d.live()])
+    batch = [d.result(a.id, [0.0, 1.0, 1.0, 0.0] if i % 3 else [1.0] * 4) for i, a in enumerate(d.live(0)[:16])]
+    reads: list[tuple[str, dict]] = []  # type: ignore[type-arg]
+
+    def record(conn, cursor, statement, parameters, context, executemany):  # type: ignore[no-untyped-def]
+        if statement.startswith("SELECT (SELECT coalesce(json_agg") and "attempt_ids" in str(parameters):
+            reads.append((statement, parameters))
+
+    event.listen(pg_ledger.engine, "before_cursor_execute", record)
+    try:
+        d.record(*batch)
+    finally:
+        event.remove(pg_ledger.engine, "before_cursor_execute", record)
+    assert len(reads) == 1 and "%(attempt_ids)s" in reads[0][0]  # bound, not written into the text
+    def copies(table: str, where: str, changes: str, count: int) -> str:
+        """`count` copies of one row of `table`, with `changes` (SQL for a jsonb object, `g`
+        numbering the copies) over its columns."""
+        return (
+            f"INSERT INTO {table} SELECT r.* FROM (SELECT * FROM {table} WHERE {where} LIMIT 1) t, generate_series(0, {count - 1}) g, "
+            f"LATERAL jsonb_populate_record(NULL::{table}, to_jsonb(t) || {changes}) r; "
+        )
+
+    other = "(SELECT max(id) FROM runs)"
+    made_up = (  # another run, a copy of this one's row, with a step of 20,000 slots and 40,000 live attempts
+        copies("runs", f"id = {d.run_id}", "jsonb_build_object('id', nextval(pg_get_serial_sequence('runs', 'id')), 'name', 'other', 'config_hash', md5('other'))", 1)
+        + copies("steps", f"run_id = {d.run_id}", f"jsonb_build_object('run_id', {other}, 'step', 0, 'num_slots', 20000)", 1)
+        + copies("slots", f"run_id = {d.run_id}", f"jsonb_build_object('run_id', {other}, 'step', 0, 'idx', g, 'status', 'open', 'needs_replacement', g % 2 = 0)", 20000)
+        + copies("attempts", f"run_id = {d.run_id} AND state = 'running'", f"jsonb_build_object('id', nextval(pg_get_serial_sequence('attempts', 'id')), 'run_id', {other}, 'step', 0, 'slot_idx', g % 20000, 'state', 'running')", 40000)
+    )
+    statement, parameters = reads[0]
+    for analyzed in (False, True):
+        before = made_up + ("ANALYZE runs, steps, slots, attempts, groups, spare_prompts;" if analyzed else "")
+        rows, buffers = run_explained_generic(pg_ledger, statement, parameters, before=before)
+        assert rows == 1
+        assert buffers < 600, f"the first read-ahead touched {buffers} buffers (statistics {'after' if analyzed else 'before'} 60,000 rows)"
