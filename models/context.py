@@ -201,10 +201,13 @@ class RunContext:
 
         A hand-over to the step's extras needs no lock: it writes only the attempt's slot and
         reason, which no handshake writes, and the attempt serves the same step either way;
-        those rows are read for a whole prefix of open slots at once (`prefetch_live`). An
-        attempt made in this transaction needs neither: nobody else can see it yet.
+        those rows are read for the whole prefix of open slots at the batch's first hand-over
+        (`prefetch_live`; most batches make none, and read none). An attempt made in this
+        transaction needs neither: nobody else can see it yet.
         """
         key = (slot.step, slot.idx)
+        if not lock and key not in self._live_read and self._open_slots:
+            self.prefetch_live(self._open_slots)
         found = self._live_in_rows(key)
         if key in (self._live_locked if lock else self._live_read):
             return found
@@ -486,10 +489,7 @@ class RunContext:
         for _ in range(2):
             if self._open_slots is None:
                 self.flush()
-                rows = self.rows.load(SlotRow, sql.open_slots(self.run.id, limit=self._open_chunk))
-                # A group placed in one of them hands its live attempt over to the extras.
-                self.prefetch_live(rows)
-                self._adopt_open_slots(rows)
+                self._adopt_open_slots(self.rows.load(SlotRow, sql.open_slots(self.run.id, limit=self._open_chunk)))
             # A scan that stops at the answer: this runs for every placement of a batch, and
             # the prefix is about a batch long.
             loaded = self._open_slots
@@ -540,15 +540,16 @@ class RunContext:
         """Run the caller's `reads`, and then the reads `then` makes of their rows, together
         with the first loads of the caches a batch of results will look up (the waiting slots;
         with `lendable` the lenders and the spare pool; with `open_slots` a prefix of open
-        slots and their live attempts) and the run's unfinished steps, in two round trips (`RowStore.load_all`), before the
-        batch changes anything; returns the rows of the caller's reads, then of `then`'s.
+        slots, whose live attempts `live_attempt` reads on first use) and the run's unfinished
+        steps, in two round trips at most (`RowStore.load_all`), before the batch changes
+        anything; returns the rows of the caller's reads, then of `then`'s.
 
         Loaded one by one on first use, each cache would flush the batch's changes first:
         several flushes, each a round of statements, in the middle of every batch. Two round
-        trips, not one: reads that depend on others' rows (the slots of the batch's attempts,
-        the live attempts of the open slots) name those rows' keys in the second (`sql.slots_at`, `sql.live_attempts`),
-        where a subquery in one statement leaves the join order to the planner, which chose a
-        scan of the run's live attempts for each slot when its statistics were stale."""
+        trips, not one: reads that depend on others' rows (the slots of the batch's attempts)
+        name those rows' keys in the second (`sql.slots_at`), where a subquery in one statement
+        leaves the join order to the planner, which chose a scan of the run's live attempts
+        for each slot when its statistics were stale."""
         self.flush()
         parts: list[tuple[list[Read], Callable[..., None]]] = []
         if not self._unfinished_read:
@@ -569,12 +570,7 @@ class RunContext:
             adopt(*found[at : at + len(part)])
             at += len(part)
         second = then(own)
-        # A group placed in an open slot hands the slot's live attempt over to the extras.
-        live = [(slot.step, slot.idx) for slot in self._open_slots or ()] if open_prefix else []
-        if live:
-            second.append(Read(AttemptRow, sql.live_attempts(self.run.id, live)))
-            self._live_read.update(live)
-        return own + self.rows.load_all(second)[: len(second) - bool(live)]
+        return own + (self.rows.load_all(second) if second else [])
 
     def waiting_added(self, slot: SlotRow) -> None:
         if self._waiting is not None:

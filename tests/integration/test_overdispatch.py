@@ -329,3 +329,43 @@ def test_counts_read_ahead_are_not_used_once_the_batch_wrote_rows(pg_ledger) -> 
 
     assert look(write=False) == []
     assert len(look(write=True)) == 1
+
+
+def _live_attempt_reads(ledger, run):  # type: ignore[no-untyped-def]
+    """The statements `run` sends that read live attempts by their slots."""
+    from sqlalchemy import event
+
+    seen: list[str] = []
+
+    def record(conn, cursor, statement, *args):  # type: ignore[no-untyped-def]
+        if "attempts.slot_idx IN" in statement:
+            seen.append(statement)
+
+    event.listen(ledger.engine, "before_cursor_execute", record)
+    try:
+        run()
+    finally:
+        event.remove(ledger.engine, "before_cursor_execute", record)
+    return seen
+
+
+def test_a_batch_reads_the_open_slots_live_attempts_only_when_a_group_takes_one_over(pg_ledger) -> None:  # type: ignore[no-untyped-def]
+    """A group placed in an open slot hands the slot's live attempt over to the extras, so a
+    batch that places one reads the live attempts of its whole prefix of open slots, once; a
+    batch whose groups fill only their own slots reads none (most batches of a step)."""
+    d = Driver(pg_ledger, over_dispatch(lookahead=1, sigmas=0.0))
+    d.admit()
+    d.start_all([a.id for a in d.live()])
+    own = [d.result(d.live_of(1, idx).id, SPREAD) for idx in (0, 1)]
+    assert _live_attempt_reads(pg_ledger, lambda: d.record(*own)) == []
+    first, second = extras(d, 1)
+    displaced = {d.live_of(0, 0).id, d.live_of(0, 1).id}
+    reads = _live_attempt_reads(pg_ledger, lambda: d.record(d.result(first.id, SPREAD), d.result(second.id, SPREAD)))
+    assert len(reads) == 1, reads
+    # Both extras filled the earliest open slots they may (step 0's first two), whose own
+    # attempts now serve that step as extras.
+    from refill.models.results import committed_slot_of
+
+    placed = {d.query(lambda s, a=a: committed_slot_of(s, d.run_id, a.id)) for a in (first, second)}
+    assert placed == {(0, 0), (0, 1)}
+    assert {a.id for a in extras(d, 0)} == displaced
