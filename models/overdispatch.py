@@ -83,11 +83,10 @@ class Counted:
 def counts_read(ctx: RunContext) -> Read | None:
     """`top_up`'s counts as a read that can join a batch's first read-ahead (one round trip
     fewer a batch), or None where `top_up` counts nothing. Its one row goes to `counted`."""
-    settings = ctx.settings
-    if not settings.over_dispatch or not settings.use_dynamic_sampling or not ctx.running or not ctx.run.next_step:
+    if not _dispatching(ctx) or not ctx.run.next_step:
         return None
     step = ctx.run.next_step - 1
-    return Read(None, sql.dispatch_counts(ctx.run.id, step, step - settings.max_lookahead_versions), extra=("live", "parked"))
+    return Read(None, sql.dispatch_counts(ctx.run.id, step, step - ctx.settings.max_lookahead_versions), extra=("live", "parked"))
 
 
 def counted(ctx: RunContext, read: Read, found: list[tuple[int, int]]) -> Counted:
@@ -98,11 +97,17 @@ def counted(ctx: RunContext, read: Read, found: list[tuple[int, int]]) -> Counte
     return Counted(params["newest_step"], params["parked_bound"], ctx.rows.writes, int(live or 0), int(parked or 0))
 
 
+def _dispatching(ctx: RunContext) -> bool:
+    """Whether `top_up` sends extras at all in this run now."""
+    settings = ctx.settings
+    return settings.over_dispatch and settings.use_dynamic_sampling and ctx.running
+
+
 def top_up(ctx: RunContext, ahead: Counted | None = None) -> int:
     """Dispatch the extras the newest admitted step needs now; returns how many were sent.
     `ahead`: its counts, if read ahead with the batch (`counts_read`)."""
     settings = ctx.settings
-    if not settings.over_dispatch or not settings.use_dynamic_sampling or not ctx.running:
+    if not _dispatching(ctx):
         return 0
     newest = ctx.find_step(ctx.run.next_step - 1) if ctx.run.next_step else None
     p = zero_variance_estimate(ctx).p

@@ -4,7 +4,10 @@ it touches (a plan's shape can vary with the statistics; the work it does may no
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
+
+import psycopg
 
 from refill.models.db import Ledger
 
@@ -21,9 +24,7 @@ def run_explained(ledger: Ledger, statement: str, parameters: Any) -> tuple[int,
         raw.rollback()
     finally:
         raw.close()
-    plan = plan if isinstance(plan, list) else json.loads(plan)
-    top = plan[0]["Plan"]
-    return top["Actual Rows"], top.get("Shared Hit Blocks", 0) + top.get("Shared Read Blocks", 0)
+    return _rows_and_buffers(plan)
 
 
 def run_explained_generic(ledger: Ledger, statement: str, parameters: dict[str, Any], before: str | None = None) -> tuple[int, int]:
@@ -32,10 +33,6 @@ def run_explained_generic(ledger: Ledger, statement: str, parameters: dict[str, 
     costs no more than the plans made for each execution's values). `statement` is as the
     driver received it (pyformat, `%(name)s`); `before`, SQL to run first in the same
     transaction (rows made up for the plan to face, rolled back with it)."""
-    import re
-
-    import psycopg
-
     names: list[str] = []
 
     def numbered(match: re.Match[str]) -> str:
@@ -64,6 +61,11 @@ def run_explained_generic(ledger: Ledger, statement: str, parameters: dict[str, 
         cursor.execute("DEALLOCATE ALL")
     finally:
         raw.close()
+    return _rows_and_buffers(plan)
+
+
+def _rows_and_buffers(plan: Any) -> tuple[int, int]:
+    """The top node's rows and the shared buffers it touched (hit or read), from `EXPLAIN`'s JSON."""
     plan = plan if isinstance(plan, list) else json.loads(plan)
     top = plan[0]["Plan"]
     return top["Actual Rows"], top.get("Shared Hit Blocks", 0) + top.get("Shared Read Blocks", 0)
