@@ -8,7 +8,8 @@ admission   `admit_steps` (the controller): the step's slots, first attempts, ex
             over-dispatch) and outbox rows, and the spare pool
 relay       `claim_outbox` + `mark_sent` (the relay), every generate message of the step,
             replacements included, `--relay-batch` rows per transaction (the controller's
-            relay takes up to 1000; the consumer relays what each batch wrote)
+            relay takes up to 1000; the consumer relays what each batch wrote), passes until
+            one sends fewer than that (everything due was sent)
 record      `record_results` (the consumer), `--batch` results per transaction (the
             consumer's group commit: `infra.consumer_batch_size`, 64), excluding the step's
             release
@@ -263,11 +264,14 @@ def one_step(
                 if profile is not None and phase == "relay":
                     profile.disable()
                 log.capture("relay")
-                if not sent:
-                    break
                 counts["messages"] += len(sent)
                 pending.extend(m.body for m in sent if m.kind == "generate")
                 counts["train_step messages"] += sum(1 for m in sent if m.kind == "train_step")
+                # A pass that sent fewer than its limit sent everything due: another would find
+                # nothing. The fleet's consumer relays what its batch wrote in one pass; a
+                # pass here that finds nothing is a cost the fleet does not pay per batch.
+                if len(sent) < args.relay_batch:
+                    break
             if counts["train_step messages"]:
                 break
             if not pending:
