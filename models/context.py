@@ -528,28 +528,16 @@ class RunContext:
 
     # --- what a batch of results reads before it decides -------------------------------------
 
-    def read_ahead(
-        self,
-        reads: list[Read],
-        then: Callable[[list[list[Any]]], list[Read]],
-        *,
-        waiting: bool,
-        lendable: bool,
-        open_slots: bool,
-    ) -> list[list[Any]]:
-        """Run the caller's `reads`, and then the reads `then` makes of their rows, together
-        with the first loads of the caches a batch of results will look up (the waiting slots;
-        with `lendable` the lenders and the spare pool; with `open_slots` a prefix of open
-        slots, whose live attempts `live_attempt` reads on first use) and the run's unfinished
-        steps, in two round trips at most (`RowStore.load_all`), before the batch changes
-        anything; returns the rows of the caller's reads, then of `then`'s.
+    def read_ahead(self, reads: list[Read], *, waiting: bool, lendable: bool, open_slots: bool) -> list[list[Any]]:
+        """Run the caller's `reads` together with the first loads of the caches a batch of
+        results will look up (the waiting slots; with `lendable` the lenders and the spare
+        pool; with `open_slots` a prefix of open slots, whose live attempts `live_attempt`
+        reads on first use) and the run's unfinished steps, in one round trip
+        (`RowStore.load_all`), before the batch changes anything; returns the rows of the
+        caller's reads.
 
         Loaded one by one on first use, each cache would flush the batch's changes first:
-        several flushes, each a round of statements, in the middle of every batch. Two round
-        trips, not one: reads that depend on others' rows (the slots of the batch's attempts)
-        name those rows' keys in the second (`sql.slots_at`), where a subquery in one statement
-        leaves the join order to the planner, which chose a scan of the run's live attempts
-        for each slot when its statistics were stale."""
+        several flushes, each a round of statements, in the middle of every batch."""
         self.flush()
         parts: list[tuple[list[Read], Callable[..., None]]] = []
         if not self._unfinished_read:
@@ -561,16 +549,14 @@ class RunContext:
             parts.append(([Read(SlotRow, committed, extra=("lender_version",)), Read(None, parked, extra=("attempt_id", "weight_version"))], self._adopt_lendable))
         if lendable and self._spares_db is None and not self._spares_db_done:
             parts.append(([Read(SpareRow, sql.spares(self.run.id, self._spares_last_id, self._spare_chunk))], self._adopt_spares))
-        open_prefix = open_slots and self._open_slots is None
-        if open_prefix:
+        if open_slots and self._open_slots is None:
             parts.append(([Read(SlotRow, sql.open_slots(self.run.id, limit=self._open_chunk))], self._adopt_open_slots))
         found = self.rows.load_all([*reads, *(read for part, _ in parts for read in part)])
-        own, at = found[: len(reads)], len(reads)
+        at = len(reads)
         for part, adopt in parts:
             adopt(*found[at : at + len(part)])
             at += len(part)
-        second = then(own)
-        return own + (self.rows.load_all(second) if second else [])
+        return found[: len(reads)]
 
     def waiting_added(self, slot: SlotRow) -> None:
         if self._waiting is not None:

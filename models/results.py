@@ -138,26 +138,24 @@ def _discarded_payload(ctx: RunContext, attempt: AttemptRow | None, result: Resu
 def _read_batch(ctx: RunContext, attempt_ids: list[int]) -> tuple[dict[int, AttemptRow], Counted | None]:
     """Read what the batch's decisions will look up, before they change anything: its attempts,
     the slots they serve, over-dispatch's counts (`overdispatch.counts_read`), and the first
-    loads of the context's caches and the run's unfinished steps (`RunContext.read_ahead`: two
-    round trips)."""
+    loads of the context's caches and the run's unfinished steps (`RunContext.read_ahead`: one
+    round trip)."""
     run_id = ctx.run.id
-
-    def their_slots(found: list[list[AttemptRow]]) -> list[Read]:
-        keys = {(a.step, a.slot_idx) for a in found[0] if a.slot_idx is not None}
-        return [Read(SlotRow, sql.slots_at(run_id, keys))] if keys else []
-
     settings, running = ctx.settings, ctx.running
     counts = counts_read(ctx)
     found = ctx.read_ahead(
-        [Read(AttemptRow, sql.attempts_by_id(run_id, attempt_ids)), *([counts] if counts else [])],
-        their_slots,
+        [
+            Read(AttemptRow, sql.attempts_by_id(run_id, attempt_ids)),
+            Read(SlotRow, sql.slots_of_attempts(run_id, attempt_ids)),
+            *([counts] if counts else []),
+        ],
         waiting=running,
         # a filtered group's slot borrows, or takes a spare prompt
         lendable=running and settings.use_dynamic_sampling,
         # an extra, or any group under another sampler, takes an open slot
         open_slots=running and (settings.over_dispatch or settings.sampler_name != "in_order"),
     )
-    return {a.id: a for a in found[0]}, counted(ctx, counts, found[1]) if counts else None
+    return {a.id: a for a in found[0]}, counted(ctx, counts, found[2]) if counts else None
 
 
 def _reject(

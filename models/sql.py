@@ -283,6 +283,25 @@ def attempts_by_id(run_id: int, ids: Iterable[int]) -> Query:
 
 
 @cache
+def _slots_of_attempts() -> Select[Any]:
+    # Each slot by its primary key, from its attempt's row; the attempts by theirs (the bound
+    # array of `attempts_by_id`, with the same parameters, so the two share a statement). As
+    # keys written into the SQL (`step = s AND idx IN (...)`, a second round trip after the
+    # attempts), the planner with no statistics on the step's slots took the run and step as
+    # the index condition and filtered the step's every slot by index (4,096 rows, about 1 ms).
+    joined = _attempts.join(
+        _slots,
+        and_(_slots.c.run_id == _attempts.c.run_id, _slots.c.step == _attempts.c.step, _slots.c.idx == _attempts.c.slot_idx),
+    )
+    return select(*SLOT_COLUMNS).select_from(joined).where(ids_param(_attempts.c.id, "attempt_ids"), _attempts.c.run_id + 0 == bindparam("run_id"))
+
+
+def slots_of_attempts(run_id: int, ids: Iterable[int]) -> Query:
+    """The slots that the run's attempts among `ids` are aimed at (an extra's, none)."""
+    return Query(_slots_of_attempts(), {"run_id": run_id, "attempt_ids": list(ids)})
+
+
+@cache
 def _live_attempts(steps: int, lock: bool) -> Select[Any]:
     where = _slot_keys_clause(_attempts.c.step, _attempts.c.slot_idx, steps, "live")
     statement = (

@@ -369,3 +369,35 @@ def test_a_batch_reads_the_open_slots_live_attempts_only_when_a_group_takes_one_
     placed = {d.query(lambda s, a=a: committed_slot_of(s, d.run_id, a.id)) for a in (first, second)}
     assert placed == {(0, 0), (0, 1)}
     assert {a.id for a in extras(d, 0)} == displaced
+
+
+def test_a_batch_reads_its_attempts_and_their_slots_in_one_statement(pg_ledger) -> None:  # type: ignore[no-untyped-def]
+    """Before it decides, a batch of results reads what it will look up (its attempts, the slots
+    they serve, the run's steps and its caches' first loads) in one statement, whose text is the
+    same for every batch (so that psycopg prepares it), and reads no slot on its own after."""
+    import re
+
+    from sqlalchemy import event
+
+    from refill.models.tables import Slot
+
+    d = Driver(pg_ledger, over_dispatch(lookahead=1, sigmas=0.0))
+    d.admit()
+    d.start_all([a.id for a in d.live()])
+    reads: list[str] = []
+
+    def record(conn, cursor, statement, *args):  # type: ignore[no-untyped-def]
+        if statement.startswith("SELECT") and re.search(r"(FROM|JOIN)\s+slots\b", statement):
+            reads.append(statement)
+
+    event.listen(pg_ledger.engine, "before_cursor_execute", record)
+    try:
+        for idx in (0, 1):
+            d.record(d.result(d.live_of(1, 2 * idx).id, SPREAD), d.result(d.live_of(1, 2 * idx + 1).id, [1.0] * 4))
+    finally:
+        event.remove(pg_ledger.engine, "before_cursor_execute", record)
+    assert len(reads) == 2 and reads[0] == reads[1], reads
+    assert re.search(r"FROM attempts JOIN slots ON", reads[0]) and "%(attempt_ids)s" in reads[0]
+    # Each batch committed one group into its own slot and filtered the other's.
+    committed = d.query(lambda s: {(slot.idx, slot.status) for slot in s.query(Slot).filter_by(run_id=d.run_id, step=1).filter(Slot.idx < 4)})
+    assert committed == {(0, "committed"), (1, "open"), (2, "committed"), (3, "open")}
