@@ -10,7 +10,8 @@ same), and writes what changed when the operation flushes:
    front (`models/ids.py`);
 2. **changed rows** as one `UPDATE` per table and set of changed columns: on PostgreSQL
    `UPDATE t SET c = v.c FROM unnest(:ids, :c...) AS v(...)` with one array parameter per
-   column, elsewhere an executemany. A row's changes are found by comparing the columns set
+   column, a write's every UPDATE sent in one round trip (`sql.execute_pipelined`), elsewhere
+   an executemany. A row's changes are found by comparing the columns set
    since it was read or last written (`Row._set`) with the values it held then, so a column
    nobody set is never written back:
    a worker's heartbeat or lease handshake, committed meanwhile to other columns of the same
@@ -43,7 +44,6 @@ from sqlalchemy import (
     literal_column,
     null,
     select,
-    text,
     update,
 )
 from sqlalchemy.dialects.postgresql import aggregate_order_by
@@ -450,12 +450,17 @@ class RowStore:
                 self._saved[id(row)] = dict(row.__dict__)
                 _written(row)
             written += len(new)
+        updates: list[tuple[Table, list[str], list[Row]]] = []
         for cls in _UPDATE_ORDER:
-            written += self._write_changes(cls)
+            written += self._changes(cls, updates)
+        if updates:
+            self._update(updates)
         self.writes += bool(written)
         return written
 
-    def _write_changes(self, cls: type[Row]) -> int:
+    def _changes(self, cls: type[Row], updates: list[tuple[Table, list[str], list[Row]]]) -> int:
+        """Add to `updates` the UPDATEs of `cls`'s changed rows (table, columns, rows) and take
+        the rows as written; returns how many rows they write."""
         saved = self._saved
         shapes: dict[frozenset[str], list[Row]] = {}
         for row in self._maps[cls].values():
@@ -485,25 +490,32 @@ class RowStore:
             # In primary-key order: the statement then locks its rows in that order (as the
             # relay's and the workers' updates of attempts do), so two of them that meet on
             # the same rows wait for each other rather than deadlock.
-            self._update(cls.table, sorted(keys), sorted(rows, key=lambda row: key_of(row.__dict__)))
+            updates.append((cls.table, sorted(keys), sorted(rows, key=lambda row: key_of(row.__dict__))))
             for row in rows:
                 saved[id(row)] = dict(row.__dict__)
                 _written(row)
         return sum(len(rows) for rows in shapes.values())
 
-    def _update(self, table: Table, keys: list[str], rows: list[Row]) -> None:
-        primary = [column.key for column in table.primary_key.columns]
-        if not self.postgres or len(rows) < 2:
-            statement = _row_update(table, tuple(primary), tuple(keys))
-            params = [
-                {**{f"k_{name}": row.__dict__[name] for name in primary}, **{f"v_{key}": row.__dict__[key] for key in keys}}
-                for row in rows
-            ]
-            result = self.session.execute(statement, params)
+    def _update(self, updates: list[tuple[Table, list[str], list[Row]]]) -> None:
+        """Run `updates` in their order: on PostgreSQL each an `UPDATE ... FROM unnest`, all
+        in one round trip (`sql.execute_pipelined`); elsewhere each an executemany."""
+        counts: list[int]
+        if self.postgres:
+            dialect = self.session.get_bind().dialect
+            counts = sql.execute_pipelined(self.session, [_unnest_update(dialect, *update) for update in updates])
         else:
-            result = self.session.execute(*_unnest_update(self.session, table, primary, keys, rows))
-        if result.rowcount not in (len(rows), -1):
-            raise RuntimeError(f"update of {table.name} matched {result.rowcount} rows for {len(rows)} changed rows")
+            counts = []
+            for table, keys, rows in updates:
+                primary = [column.key for column in table.primary_key.columns]
+                statement = _row_update(table, tuple(primary), tuple(keys))
+                params = [
+                    {**{f"k_{name}": row.__dict__[name] for name in primary}, **{f"v_{key}": row.__dict__[key] for key in keys}}
+                    for row in rows
+                ]
+                counts.append(self.session.execute(statement, params).rowcount)
+        for (table, _, rows), count in zip(updates, counts, strict=True):
+            if count not in (len(rows), -1):
+                raise RuntimeError(f"update of {table.name} matched {count} rows for {len(rows)} changed rows")
 
 
 def _insert_values(table: Table, rows: list[Row]) -> list[dict[str, Any]]:
@@ -555,29 +567,30 @@ def _row_update(table: Table, primary: tuple[str, ...], keys: tuple[str, ...]) -
     )
 
 
-def _unnest_update(session: Session, table: Table, primary: list[str], keys: list[str], rows: list[Row]):  # type: ignore[no-untyped-def]
+def _unnest_update(dialect: Any, table: Table, keys: list[str], rows: list[Row]) -> tuple[str, dict[str, Any]]:
     """`UPDATE table AS t SET c = v.c ... FROM unnest(...) AS v(...) WHERE t.pk = v.pk`, one
-    array parameter per column: a statement psycopg prepares once, whatever the row count."""
-    dialect = session.get_bind().dialect
-    arrays: dict[str, list[Any]] = {}
+    array parameter per column (a statement psycopg prepares once, whatever the row count),
+    as psycopg takes it, with its values."""
+    primary = tuple(column.key for column in table.primary_key.columns)
+    arrays: dict[str, Any] = {}
     for i, name in enumerate(primary):
         arrays[f"k{i}"] = sql.array_text(sql.driver_values(dialect, table.c[name], [row.__dict__[name] for row in rows]))
     for i, key in enumerate(keys):
         # As a per-row update writes each value: a JSON None is JSON null, an int in a float
         # column a float (psycopg refuses an array of mixed types).
         arrays[f"c{i}"] = sql.array_text(sql.driver_values(dialect, table.c[key], [row.__dict__[key] for row in rows]))
-    return _unnest_statement(dialect, table, tuple(primary), tuple(keys)), arrays
+    return _unnest_statement(dialect, table, primary, tuple(keys)), arrays
 
 
 @lru_cache(maxsize=512)
-def _unnest_statement(dialect: Any, table: Table, primary: tuple[str, ...], keys: tuple[str, ...]) -> Any:
-    """The statement of `_unnest_update`, built once per table and set of columns."""
-    casts = [f"CAST(:k{i} AS {table.c[name].type.compile(dialect)}[])" for i, name in enumerate(primary)]
-    casts += [f"CAST(:c{i} AS {table.c[key].type.compile(dialect)}[])" for i, key in enumerate(keys)]
+def _unnest_statement(dialect: Any, table: Table, primary: tuple[str, ...], keys: tuple[str, ...]) -> str:
+    """The SQL of `_unnest_update`, built once per table and set of columns."""
+    casts = [f"CAST(%(k{i})s AS {table.c[name].type.compile(dialect)}[])" for i, name in enumerate(primary)]
+    casts += [f"CAST(%(c{i})s AS {table.c[key].type.compile(dialect)}[])" for i, key in enumerate(keys)]
     assignments = ", ".join(f"{key} = v.{key}" for key in keys)
     match = " AND ".join(f"t.{name} = v.{name}" for name in primary)
     names = [*primary, *keys]
-    return text(
+    return (
         f"UPDATE {table.name} AS t SET {assignments} "
         f"FROM unnest({', '.join(casts)}) AS v({', '.join(names)}) WHERE {match}"
-    ).bindparams(*(bindparam(f"k{i}") for i in range(len(primary))), *(bindparam(f"c{i}") for i in range(len(keys))))
+    )

@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 from sqlalchemy import event, select, update
 
 from refill.models.context import ATTEMPT_COLUMNS, SLOT_COLUMNS
-from refill.models.rows import AttemptRow, RowStore, SlotRow
+from refill.models.rows import AttemptRow, RowStore, SlotRow, SpareRow
 from refill.models.tables import Attempt, Slot, SparePrompt
 from tests.support.driver import FLAT, SPREAD, Driver
 
@@ -449,3 +449,70 @@ def test_an_array_parameter_written_as_text_reads_back_as_the_list_itself(pg_led
                 {"a": array_text(values), "b": values},
             ).one()
             assert len(as_text) == len(values) and all(map(same, as_text, as_list)), (kind, as_text, as_list)
+
+
+def test_a_writes_updates_go_out_in_one_round_trip_and_a_refused_one_raises_sqlalchemys_error(pg_ledger, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A write's UPDATEs (one per table and set of columns) are sent together in psycopg's
+    pipeline mode, in the store's table order; one the database refuses fails the write with
+    SQLAlchemy's IntegrityError naming its constraint, and the transaction keeps none of them."""
+    import psycopg
+    import pytest
+    from psycopg import pq
+    from sqlalchemy.exc import IntegrityError
+
+    d = Driver(pg_ledger, check=False)  # rows changed by hand, not by the ledger's rules
+    d.admit()
+    sent: list[tuple[str, bool]] = []
+    execute = psycopg.Cursor.execute
+
+    def spy(self, query, *args, **kw):  # type: ignore[no-untyped-def]
+        if str(query).startswith("UPDATE"):
+            sent.append((str(query).split()[1], self.connection.pgconn.pipeline_status != pq.PipelineStatus.OFF))
+        return execute(self, query, *args, **kw)
+
+    monkeypatch.setattr(psycopg.Cursor, "execute", spy)
+    with pg_ledger.session() as session:
+        store = RowStore(session)
+        attempts, slots = _load(store, d.run_id)
+        attempts[0].error = "a note"
+        slots[0].filtered += 1
+        slots[1].drops += 1
+        assert store.write() == 3
+        session.commit()
+    # The slots' two ways of changing share one statement (`_UNIFORM_COLUMNS`).
+    assert sent == [("slots", True), ("attempts", True)], sent
+    with pg_ledger.session() as session:
+        assert session.scalar(select(Attempt.error).where(Attempt.id == attempts[0].id)) == "a note"
+
+    def refused(session):  # type: ignore[no-untyped-def]
+        store = RowStore(session)
+        attempts, slots = _load(store, d.run_id)
+        attempts[1].error = "kept?"
+        slots[2].filter_replacements = slots[2].filter_budget + 1  # breaks ck_slots_filter_budget
+        store.write()
+
+    with pytest.raises(IntegrityError, match="filter_budget"):
+        pg_ledger.transaction(refused)
+    with pg_ledger.session() as session:
+        assert session.scalar(select(Attempt.error).where(Attempt.id == attempts[1].id)) is None
+
+
+def test_an_update_that_finds_fewer_rows_than_it_changed_fails_the_write(pg_ledger) -> None:  # type: ignore[no-untyped-def]
+    """A changed row another transaction deleted meanwhile is not written silently: the write
+    raises, naming the table, and its transaction is rolled back by its caller."""
+    import pytest
+
+    d = Driver(pg_ledger, check=False)
+    d.admit()
+    spares = SparePrompt.__table__
+    with pg_ledger.session() as session:
+        store = RowStore(session)
+        rows = store.load(SpareRow, select(*spares.columns).where(spares.c.run_id == d.run_id).order_by(spares.c.id).limit(2))
+        assert len(rows) == 2
+        with pg_ledger.session() as other:
+            other.execute(spares.delete().where(spares.c.id == rows[1].id))
+            other.commit()
+        for row in rows:
+            row.taken_at = datetime(2026, 12, 6, tzinfo=UTC)
+        with pytest.raises(RuntimeError, match="update of spare_prompts matched 1 rows for 2 changed rows"):
+            store.write()
