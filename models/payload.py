@@ -310,16 +310,26 @@ def payload_name_problem(name: str, attempt_id: int) -> str | None:
     return None
 
 
+#: Why a claim check may name no payload without being a failure (`ClaimCheckResult.unstored`).
+UNSTORED_ZERO_VARIANCE = "zero_variance"
+
+
 @dataclass
 class ClaimCheckResult(ResultMessage):
     """A result whose group waits in the run's payload store (body version 2): what the
     consumer decides on (rewards; the prompt's and each completion's length) and the stored
     payload's `PayloadRef` (None for a failure, which has no group). `prompt_token_ids` and
-    `completions` stay empty: the trainer reads them from the payload."""
+    `completions` stay empty: the trainer reads them from the payload.
+
+    `unstored` (`"zero_variance"`): the worker stored no payload because the run filters the
+    group (its rewards are all equal, within the run's tolerance, under dynamic sampling), so
+    nothing would ever read it; the consumer checks that it does filter it. Consumers that
+    read this field are deployed before workers that write it, as for every body change."""
 
     payload: PayloadRef | None = field(default=None, kw_only=True)
     prompt_length: int = field(default=0, kw_only=True)
     lengths: list[int] = field(default_factory=list, kw_only=True)
+    unstored: str | None = field(default=None, kw_only=True)
 
     @property
     def num_tokens(self) -> int:
@@ -339,7 +349,7 @@ class ClaimCheckResult(ResultMessage):
             "error_kind": self.error_kind,
             "error": None if self.error is None else self.error[:MAX_ERROR_CHARS],
             "generation_seconds": self.generation_seconds,
-        }
+        } | ({"unstored": self.unstored} if self.unstored is not None else {})
 
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> ClaimCheckResult:
@@ -353,13 +363,19 @@ class ClaimCheckResult(ResultMessage):
         if not _is_count(prompt_length):
             raise PayloadError("'prompt_length' must be a non-negative integer")
         payload = body.get("payload")
-        if payload is None and common["error_kind"] is None:
+        unstored = body.get("unstored")
+        if unstored is not None and unstored != UNSTORED_ZERO_VARIANCE:
+            raise PayloadError(f"'unstored' must be null or {UNSTORED_ZERO_VARIANCE!r}, not {unstored!r}")
+        if unstored is not None and (payload is not None or common["error_kind"] is not None):
+            raise PayloadError(f"result of attempt {common['attempt_id']} says its group was not stored, but names a payload or an error")
+        if payload is None and common["error_kind"] is None and unstored is None:
             raise PayloadError(f"result of attempt {common['attempt_id']} has neither a payload nor an error")
         return cls(
             **common,
             payload=None if payload is None else PayloadRef.from_json(payload, common["attempt_id"]),
             prompt_length=prompt_length,
             lengths=lengths,
+            unstored=unstored,
         )
 
     def estimated_bytes(self) -> int:

@@ -243,6 +243,10 @@ def _apply(ctx: RunContext, attempt: AttemptRow, result: ResultMessage) -> Recor
         num_tokens = rollout.num_tokens if rollout is not None else 0
     if problem is None and result.weight_version is None:
         problem = "result does not say which weight version generated it"
+    zero_variance = problem is None and decisions.is_zero_variance(result.rewards, settings.zero_variance_tolerance)
+    if problem is None and isinstance(result, ClaimCheckResult) and result.payload is None and not (zero_variance and settings.use_dynamic_sampling):
+        # The worker judged the group filtered (`unstored`) and stored nothing; this run trains it.
+        problem = f"the worker stored no payload ({result.unstored}) for a group this run does not filter"
     if problem is not None:
         data_failure(ctx, attempt, problem)
         return Recorded(attempt.id, Outcome.FAILED, problem)
@@ -253,7 +257,6 @@ def _apply(ctx: RunContext, attempt: AttemptRow, result: ResultMessage) -> Recor
     attempt.reward_min = min(rewards)
     attempt.reward_max = max(rewards)
     attempt.num_tokens = num_tokens
-    zero_variance = decisions.is_zero_variance(rewards, settings.zero_variance_tolerance)
     attempt.zero_variance = zero_variance
     ctx.run.scored_groups += 1
     ctx.run.zero_variance_groups += int(zero_variance)

@@ -32,7 +32,7 @@ from refill.models.payload_store import (
 )
 from refill.models.results import Outcome
 from refill.models.settings import LedgerSettings
-from refill.models.tables import Group, Run, RunStatus
+from refill.models.tables import Attempt, Group, Run, RunStatus
 from refill.tasks.consumer import ResultConsumer
 from refill.tasks.generation import GenerationService
 from tests.support.driver import FLAT, SPREAD, Driver
@@ -317,6 +317,7 @@ def test_the_retention_removes_a_finished_runs_payloads(ledger, tmp_path: Path) 
 
 #: The sim back-end's completions scored as a fleet scores them.
 SIM_REWARD = {"reward": {"function": "refill.rewards.sim:solved"}}
+NO_FILTER = {"grpo": {"use_dynamic_sampling": False}}
 
 
 def _service(d: Driver) -> tuple[GenerationService, list[dict[str, Any]]]:
@@ -329,7 +330,9 @@ def _messages(d: Driver) -> list[GenerateMessage]:
 
 
 def test_a_worker_stores_a_checked_group_and_sends_its_claim_check(ledger, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    d = Driver(ledger, {**SIM_REWARD, "generation": {"max_new_tokens": 64, "sim": {"tokens_per_completion": 64}}})
+    # Without dynamic sampling every usable group is stored (with it, a zero-variance group is
+    # not: see test_a_worker_stores_no_group_the_run_filters).
+    d = Driver(ledger, {**SIM_REWARD, **NO_FILTER, "generation": {"max_new_tokens": 64, "sim": {"tokens_per_completion": 64}}})
     d.admit()
     claims = Claims(d, tmp_path)
     service, sent = _service(d)
@@ -353,7 +356,7 @@ def test_a_bundle_runs_as_one_batch_through_each_stage(ledger, tmp_path: Path) -
     fails its checks fails alone: the others are stored and sent beside it."""
     from refill.tasks.backends import make_engine
 
-    d = Driver(ledger, SIM_REWARD)
+    d = Driver(ledger, {**SIM_REWARD, **NO_FILTER})  # every usable group stored
     d.admit()
     claims = Claims(d, tmp_path)
     engine_batches: list[int] = []
@@ -452,3 +455,61 @@ def test_a_worker_that_cannot_store_reports_an_infra_failure(ledger, tmp_path: P
         service.close()
     result = ResultMessage.from_json(sent[0])
     assert result.error_kind == "infra" and "could not store the payload under" in (result.error or "")
+
+
+def _inline(d: Driver, attempt_id: int, rewards: list[float]) -> ResultMessage:
+    return ResultMessage(
+        run_id=d.run_id, attempt_id=attempt_id, worker=d.worker, weight_version=0,
+        prompt_token_ids=[5, 6, 7], completions=_completions(len(rewards), attempt_id), rewards=rewards,
+    )
+
+
+@pytest.mark.parametrize("dynamic_sampling", [True, False])
+def test_a_worker_stores_no_group_the_run_filters(ledger, tmp_path: Path, dynamic_sampling: bool) -> None:  # type: ignore[no-untyped-def]
+    """Under dynamic sampling a zero-variance group is filtered, and nothing ever reads a
+    filtered group's rollout: the worker sends its rewards and lengths without storing it
+    (`unstored`), the consumer filters it, and there is nothing to remove. Without dynamic
+    sampling the same group trains, so it is stored and committed."""
+    from refill.tasks.claim_checks import claim_check
+
+    d = Driver(ledger, {} if dynamic_sampling else NO_FILTER)
+    d.admit()
+    claims = Claims(d, tmp_path)
+    flat, spread = d.live_of(0, 0).id, d.live_of(0, 1).id
+    d.start_all([flat, spread])
+    settings = LedgerSettings.from_config(d.config)
+    sent = [claim_check(_inline(d, a, rewards), claims.store, settings, 10**7) for a, rewards in ((flat, FLAT), (spread, SPREAD))]
+    assert all(isinstance(r, ClaimCheckResult) and r.error_kind is None for r in sent)
+    if dynamic_sampling:
+        assert sent[0].payload is None and sent[0].unstored == "zero_variance" and sent[0].lengths == [3] * 4
+        assert claims.names() == {sent[1].payload.name}  # type: ignore[union-attr]
+    else:
+        assert sent[0].unstored is None and claims.names() == {r.payload.name for r in sent}  # type: ignore[union-attr]
+    batch = d.record(*(ResultMessage.from_json(r.to_json()) for r in sent))
+    expected = Outcome.FILTERED if dynamic_sampling else Outcome.COMMITTED
+    assert [o.outcome for o in batch.outcomes] == [expected, Outcome.COMMITTED]
+    assert batch.discarded == []
+    with d.ledger.session() as session:
+        assert session.scalar(select(Attempt.zero_variance).where(Attempt.id == flat)) is True
+
+
+@pytest.mark.parametrize(("overrides", "rewards"), [({}, SPREAD), (NO_FILTER, FLAT)])
+def test_a_claim_check_without_a_payload_for_a_group_the_run_trains_is_a_data_failure(ledger, tmp_path: Path, overrides, rewards) -> None:  # type: ignore[no-untyped-def]
+    """A claim check that stored nothing (`unstored`) for a group this run would train (one with
+    spread, or any group without dynamic sampling) names no rollout to train on: a data
+    failure, whose slot is tried again, never a group committed without its payload."""
+    d = Driver(ledger, overrides)
+    d.admit()
+    Claims(d, tmp_path)
+    attempt = d.live_of(0, 0).id
+    d.start_all([attempt])
+    claim = ClaimCheckResult(
+        run_id=d.run_id, attempt_id=attempt, worker=d.worker, weight_version=0, rewards=rewards,
+        payload=None, prompt_length=3, lengths=[3] * 4, unstored="zero_variance",
+    )
+    (recorded,) = d.record(claim).outcomes
+    assert recorded.outcome is Outcome.FAILED
+    assert recorded.detail == "the worker stored no payload (zero_variance) for a group this run does not filter"
+    assert d.live_of(0, 0).id != attempt  # the slot's prompt goes out again
+    with d.ledger.session() as session:
+        assert session.scalars(select(Group).where(Group.attempt_id == attempt)).all() == []

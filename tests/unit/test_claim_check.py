@@ -90,6 +90,19 @@ def test_a_version_1_body_still_decodes_inline() -> None:
     assert ResultMessage.from_json({**old, "v": 1}) == decoded
 
 
+def test_a_group_the_run_filters_travels_without_a_payload_and_says_why() -> None:
+    """A worker does not store a group the run will filter (`unstored`): the body names no
+    payload, carries the rewards and lengths the consumer decides on, and round-trips; a claim
+    check with a payload writes no `unstored` key (the body is as before)."""
+    message = _claim(payload=None, unstored="zero_variance", rewards=[1.0] * 4)
+    body = json.loads(json.dumps(message.to_json()))
+    assert body["payload"] is None and body["unstored"] == "zero_variance" and body["error_kind"] is None
+    decoded = ResultMessage.from_json(body)
+    assert isinstance(decoded, ClaimCheckResult) and decoded == message
+    assert decoded.estimated_bytes() == 0 and decoded.num_tokens == 10 + 512 + 8192
+    assert "unstored" not in _claim().to_json()
+
+
 def test_a_newer_body_version_is_refused_naming_the_upgrade_order() -> None:
     with pytest.raises(PayloadError, match=r"version 3: this consumer reads versions 1, 2 \(upgrade the consumers before the workers\)"):
         ResultMessage.from_json({**_claim().to_json(), "v": 3})
@@ -131,6 +144,9 @@ def test_a_payload_name_must_be_one_the_store_makes_for_that_attempt(ref: str) -
         ({"rewards": [0.5, "1.0"]}, "reward '1.0' is not a number"),
         ({"lengths": [1, 2.0]}, "'lengths' must be a list of non-negative integers"),
         ({"error_kind": "oops"}, "error_kind must be"),
+        ({"payload": None, "unstored": "too_big"}, "'unstored' must be null or 'zero_variance'"),
+        ({"unstored": "zero_variance"}, "says its group was not stored, but names a payload"),
+        ({"payload": None, "unstored": "zero_variance", "error_kind": "data", "error": "x"}, "says its group was not stored"),
     ],
 )
 def test_a_malformed_claim_check_is_refused(change: dict, problem: str) -> None:
