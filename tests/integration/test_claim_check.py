@@ -443,7 +443,7 @@ def test_a_worker_stores_nothing_for_a_group_it_cannot_use(ledger, tmp_path: Pat
 
 
 def test_a_worker_that_cannot_store_reports_an_infra_failure(ledger, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    d = Driver(ledger, SIM_REWARD)
+    d = Driver(ledger, {**SIM_REWARD, **NO_FILTER})  # a zero-variance group would not be stored at all
     d.admit()
     claims = Claims(d, tmp_path)
     claims.run_dir.mkdir(parents=True)

@@ -79,7 +79,7 @@ def test_claim_checks_finished_together_share_a_directory_fsync(tmp_path, monkey
 
     monkeypatch.setattr(payload_store, "_fsync_dir", slow)
     store = FileStore.of_run(tmp_path)
-    settings = SimpleNamespace(group_size=4, vocab_size=100)
+    settings = SimpleNamespace(group_size=4, vocab_size=100, use_dynamic_sampling=True, zero_variance_tolerance=0.0)
     engine = SimEngine(tokens_per_completion=16)
     publishes = MicroBatcher(claim_checks.publish_batch, max_batch=1024, max_wait_ms=0.0, name="test-publish")
     results: dict[int, object] = {}
