@@ -72,14 +72,16 @@ def stage_claim_check(
     if problem is not None:
         return _failure(result, "data", problem), None
     assert rollout is not None  # no problem: checked_payload built it
+    payload = rollout_codec.pack_payload(rollout, rollout_codec.texts(result.completions))
+    if len(payload) > max_result_bytes:
+        return _failure(result, "data", oversized_error(len(payload), max_result_bytes)), None
+    # After every check that makes the group a data failure (SPEC §3: an invalid payload is
+    # judged before the filter).
     if settings.use_dynamic_sampling and decisions.is_zero_variance(result.rewards, settings.zero_variance_tolerance):
         # The run filters this group, and nothing reads a filtered group's rollout: storing it
         # cost a write and an fsync here and an unlink in the consumer, for a third to half of
         # a DAPO run's groups.
         return _claim(result, None, UNSTORED_ZERO_VARIANCE), None
-    payload = rollout_codec.pack_payload(rollout, rollout_codec.texts(result.completions))
-    if len(payload) > max_result_bytes:
-        return _failure(result, "data", oversized_error(len(payload), max_result_bytes)), None
     try:
         staged = store.stage(result.attempt_id, payload)
     except OSError as error:

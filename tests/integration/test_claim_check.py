@@ -513,3 +513,18 @@ def test_a_claim_check_without_a_payload_for_a_group_the_run_trains_is_a_data_fa
     assert d.live_of(0, 0).id != attempt  # the slot's prompt goes out again
     with d.ledger.session() as session:
         assert session.scalars(select(Group).where(Group.attempt_id == attempt)).all() == []
+
+
+def test_an_oversized_group_is_a_data_failure_even_when_the_run_would_filter_it(ledger, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The worker judges an invalid payload before the filter (SPEC §3), as the consumer
+    does: a zero-variance group over `infra.max_result_bytes` is a data failure, not filtered."""
+    from refill.tasks.claim_checks import claim_check
+
+    d = Driver(ledger)
+    d.admit()
+    claims = Claims(d, tmp_path)
+    attempt = d.live_of(0, 0).id
+    settings = LedgerSettings.from_config(d.config)
+    sent = claim_check(_inline(d, attempt, FLAT), claims.store, settings, 64)
+    assert sent.error_kind == "data" and "exceeds infra.max_result_bytes=64" in (sent.error or "")
+    assert sent.unstored is None and claims.names() == set()
