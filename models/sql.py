@@ -451,9 +451,10 @@ def execute_pipelined(executor: Session | Connection, statements: list[tuple[str
     values) in order in one round trip, PostgreSQL only: psycopg's pipeline mode sends each
     without waiting for the one before. Returns each one's row count.
 
-    A batch's changed rows go out as up to eight `UPDATE ... FROM unnest` statements, each a
-    round trip of its own through SQLAlchemy. The engine's listeners see each statement, as
-    they see an executed one; an error comes out as SQLAlchemy's, as from `session.execute`."""
+    A batch's changed rows go out as up to eight `UPDATE ... FROM unnest` statements, which
+    through SQLAlchemy would each wait for the one before. The engine's listeners see each
+    statement, as they see an executed one; an error comes out as SQLAlchemy's, as from
+    `session.execute`."""
     connection = executor.connection() if isinstance(executor, Session) else executor
     dialect = connection.dialect
     raw = connection.connection.driver_connection

@@ -5,7 +5,8 @@ A generation worker checks a group's token ids and log-probs here, where they ar
 check (the consumer's path is serial), packs it as the ledger packs rollouts, writes and fsyncs
 it into the run's payload store, and sends a `ClaimCheckResult` of a few hundred bytes that names
 it. `publish_batch` puts the payloads of attempts that finish together into place with one
-directory fsync.
+directory fsync. A group the run will filter (zero-variance under dynamic sampling) is not
+stored: nothing would read it, and its message says why (`unstored`).
 """
 
 from __future__ import annotations
