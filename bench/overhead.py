@@ -381,12 +381,16 @@ def simulate_round_trip(seconds: float) -> None:
     """Make every SQL round trip of this process wait `seconds` first (`--rtt-ms`): a
     loopback connection costs about 0.1 ms a round trip, a ledger on another host several
     times that, and what a change saves in round trips only shows at that price. One wait per
-    cursor execute (an executemany is pipelined: one round trip) and per commit."""
+    cursor execute (an executemany is pipelined: one round trip), none for a statement sent in
+    the round trip of the one before it (`sql.execute_pipelined`), and one per commit."""
     from sqlalchemy import event
     from sqlalchemy.engine import Engine
 
-    def wait(*_args: Any, **_kw: Any) -> None:
-        time.sleep(seconds)
+    from refill.models.sql import PIPELINED
+
+    def wait(conn: Any, *_args: Any, **_kw: Any) -> None:
+        if not conn.info.get(PIPELINED):
+            time.sleep(seconds)
 
     event.listen(Engine, "before_cursor_execute", wait)
     event.listen(Engine, "commit", wait)

@@ -446,6 +446,12 @@ def insert_rows(executor: Session | Connection, table: Table, rows: list[dict[st
     connection.dispatch.after_cursor_execute(connection, None, statement, rows, None, True)
 
 
+#: True in `Connection.info` while the engine's `before_cursor_execute` listeners see a
+#: statement that goes out in the round trip of the one before it (`execute_pipelined`): a
+#: listener that stands for the network's latency (`bench overhead --rtt-ms`) charges one.
+PIPELINED = "refill.pipelined"
+
+
 def execute_pipelined(executor: Session | Connection, statements: list[tuple[str, dict[str, Any]]]) -> list[int]:
     """Run `statements` (each SQL as psycopg takes it, with `%(name)s` parameters, and their
     values) in order in one round trip, PostgreSQL only: psycopg's pipeline mode sends each
@@ -458,8 +464,12 @@ def execute_pipelined(executor: Session | Connection, statements: list[tuple[str
     connection = executor.connection() if isinstance(executor, Session) else executor
     dialect = connection.dialect
     raw = connection.connection.driver_connection
-    for statement, parameters in statements:
-        connection.dispatch.before_cursor_execute(connection, None, statement, parameters, None, False)
+    try:
+        for i, (statement, parameters) in enumerate(statements):
+            connection.info[PIPELINED] = i > 0
+            connection.dispatch.before_cursor_execute(connection, None, statement, parameters, None, False)
+    finally:
+        connection.info.pop(PIPELINED, None)
     cursors = [raw.cursor() for _ in statements]
     try:
         with raw.pipeline():
