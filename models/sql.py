@@ -274,7 +274,12 @@ def _attempts_by_id() -> Select[Any]:
     # into the SQL: found by primary key, any plan serves them, and a batch's first read-ahead
     # then has the same text every time, so psycopg prepares it and PostgreSQL plans it once
     # rather than on every batch (about 1 ms; test_query_plans.py checks that plan).
-    return select(*ATTEMPT_COLUMNS).where(ids_param(_attempts.c.id, "attempt_ids"), _attempts.c.run_id + 0 == bindparam("run_id"))
+    return select(*ATTEMPT_COLUMNS).where(*_batch_attempts())
+
+
+def _batch_attempts() -> tuple[ColumnElement[bool], ColumnElement[bool]]:
+    """The run's attempts among the bound `attempt_ids`, by primary key (`_attempts_by_id`)."""
+    return ids_param(_attempts.c.id, "attempt_ids"), _attempts.c.run_id + 0 == bindparam("run_id")
 
 
 def attempts_by_id(run_id: int, ids: Iterable[int]) -> Query:
@@ -293,7 +298,7 @@ def _slots_of_attempts() -> Select[Any]:
         _slots,
         and_(_slots.c.run_id == _attempts.c.run_id, _slots.c.step == _attempts.c.step, _slots.c.idx == _attempts.c.slot_idx),
     )
-    return select(*SLOT_COLUMNS).select_from(joined).where(ids_param(_attempts.c.id, "attempt_ids"), _attempts.c.run_id + 0 == bindparam("run_id"))
+    return select(*SLOT_COLUMNS).select_from(joined).where(*_batch_attempts())
 
 
 def slots_of_attempts(run_id: int, ids: Iterable[int]) -> Query:

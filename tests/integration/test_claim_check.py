@@ -458,10 +458,7 @@ def test_a_worker_that_cannot_store_reports_an_infra_failure(ledger, tmp_path: P
 
 
 def _inline(d: Driver, attempt_id: int, rewards: list[float]) -> ResultMessage:
-    return ResultMessage(
-        run_id=d.run_id, attempt_id=attempt_id, worker=d.worker, weight_version=0,
-        prompt_token_ids=[5, 6, 7], completions=_completions(len(rewards), attempt_id), rewards=rewards,
-    )
+    return d.result(attempt_id, rewards, completions=_completions(len(rewards), attempt_id))
 
 
 @pytest.mark.parametrize("dynamic_sampling", [True, False])
