@@ -36,6 +36,7 @@ from refill.models.clock import ledger_now
 from refill.models.clock import utcnow as utcnow  # re-exported: where its importers find it
 from refill.models.db import lock_run
 from refill.models.ids import IdBlocks
+from refill.models.joint_read import column_keys
 from refill.models.rows import (
     AttemptRow,
     GroupRow,
@@ -147,7 +148,7 @@ class RunContext:
         session.autoflush = False
         rows = RowStore(session)
         found = lock_run(session, run_id)
-        columns = RunRow.table.columns.keys()
+        columns = column_keys(RunRow)
         (run,) = rows.adopt(RunRow, columns, [[found[name] for name in columns]])
         settings = settings_for(run)
         # The database's clock unless the caller brings its own (a test's, a simulation's).

@@ -26,32 +26,24 @@ identity map; a row another statement changed in the database is patched here (`
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from datetime import UTC, datetime
 from functools import cache, lru_cache
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from sqlalchemy import (
     JSON,
-    Float,
     Table,
     and_,
     bindparam,
-    func,
     insert,
-    literal_column,
     null,
-    select,
     update,
 )
-from sqlalchemy.dialects.postgresql import aggregate_order_by
 from sqlalchemy.orm import Session
 from sqlalchemy.sql import Select
 
-from refill.models import sql
-from refill.models.column_types import UTCDateTime
+from refill.models import joint_read, sql
+from refill.models.joint_read import Read, as_query
 from refill.models.tables import Attempt, Group, Outbox, Run, Slot, SparePrompt, Step
 
 _MISSING = object()
@@ -171,82 +163,6 @@ def _key_of(cls: type[Row]):  # type: ignore[no-untyped-def]
 _KEYS = {cls: _key_of(cls) for cls in (RunRow, StepRow, SlotRow, AttemptRow, GroupRow, SpareRow, OutboxRow)}
 
 
-@dataclass(frozen=True)
-class Read:
-    """One read of `RowStore.load_all`: `statement` (a `sql.Query`, or a plain statement)
-    selects every column of `cls`'s table, in the table's order, then the columns named in
-    `extra`; with no `cls`, just those."""
-
-    cls: type[Row] | None
-    statement: Select | sql.Query
-    extra: tuple[str, ...] = ()
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return (*_column_keys(self.cls), *self.extra)
-
-    @property
-    def query(self) -> sql.Query:
-        return _as_query(self.statement)
-
-
-def _as_query(statement: Select | sql.Query) -> sql.Query:
-    return statement if isinstance(statement, sql.Query) else sql.Query(statement, {})
-
-
-@cache
-def _column_keys(cls: type[Row] | None) -> tuple[str, ...]:
-    return tuple(cls.table.columns.keys()) if cls is not None else ()
-
-
-@lru_cache(maxsize=8192)
-def _json_timestamp(value: str) -> datetime:
-    # Cached: a batch's rows carry a few distinct times (every row a transaction writes has
-    # its clock), each parsed once rather than once per row.
-    return datetime.fromisoformat(value).astimezone(UTC)
-
-
-@cache
-def _json_readers(cls: type[Row] | None, width: int) -> tuple[tuple[int, Callable[[Any], Any]], ...]:
-    """Where a read of `cls` needs its JSON values read back to what a plain query returns:
-    (position, function) for its timestamps (text in JSON) and floats (1.0 comes back as 1,
-    NaN as "NaN"). The extra columns past `width` are integers, read as they are."""
-    if cls is None:
-        return ()
-    readers = []
-    for position, column in enumerate(cls.table.columns):
-        if isinstance(column.type, UTCDateTime):
-            readers.append((position, _json_timestamp))
-        elif isinstance(column.type, Float):
-            readers.append((position, float))
-    return tuple(r for r in readers if r[0] < width)
-
-
-@lru_cache(maxsize=256)
-def _json_row(alias: str, names: tuple[str, ...]) -> str:
-    return f"json_build_array({', '.join(f'{alias}.{name}' for name in names)})"
-
-
-@lru_cache(maxsize=256)
-def _together(reads: tuple[tuple[type[Row] | None, tuple[str, ...], Select], ...]) -> Select:
-    """The statement `RowStore.load_all` runs on PostgreSQL for reads of these classes, extra
-    columns and statements: each read's rows aggregated into a JSON array in its own order.
-    Built once for each combination of the statements `models/sql.py` builds once, so that its
-    cache key is computed once too (a batch's reads come in a few combinations)."""
-    arrays = []
-    for i, (cls, extra, statement) in enumerate(reads):
-        order = statement._order_by_clauses
-        if order:
-            # The row's place in the read's order, numbered before its LIMIT applies: the
-            # aggregate is ordered by it (a subquery's order does not bind an aggregate).
-            statement = statement.add_columns(func.row_number().over(order_by=order).label("refill_n"))
-        alias = f"refill_read_{i}"
-        row = literal_column(_json_row(alias, (*_column_keys(cls), *extra)))
-        agg = func.json_agg(aggregate_order_by(row, literal_column(f"{alias}.refill_n"))) if order else func.json_agg(row)
-        arrays.append(select(func.coalesce(agg, literal_column("'[]'::json"))).select_from(statement.subquery(alias)).scalar_subquery())
-    return select(*arrays)
-
-
 class RowStore:
     """The rows of one run that an operation has read or made, by table and primary key."""
 
@@ -283,7 +199,7 @@ class RowStore:
         are newer than what the database holds until they are written. With `refresh` (a read
         that locks the rows), the columns this operation did not change take the values read:
         another transaction may have written them since the row was first read."""
-        result = self.session.execute(*_as_query(statement))
+        result = self.session.execute(*as_query(statement))
         # All at once: iterating a result fetches it from the cursor a row at a time.
         return self.adopt(cls, tuple(result.keys()), result.all(), refresh=refresh)
 
@@ -309,14 +225,8 @@ class RowStore:
         """Several reads in one round trip: for each `Read`, what `load` (or `load_with`, or
         for a read of no row class the plain value tuples) would return.
 
-        On PostgreSQL they are one statement, each read's rows aggregated into a JSON array
-        in its own order: a batch of results reads eight prefixes of the run's state before it
-        decides, and each read alone is a round trip, whose latency a ledger on another host
-        pays on every batch (`bench overhead --rtt-ms`; on one machine the JSON costs about
-        what the round trips saved, bench/README.md). JSON carries timestamps as text and whole
-        numbers of float columns as integers; each table's columns are read back to the types
-        a plain query returns (`_json_readers`). All reads see one snapshot, as the separate
-        queries do under the run's lock. Elsewhere (SQLite, in process) one query each."""
+        On PostgreSQL they are one statement (`models/joint_read.py`: why, and how the rows
+        come back as JSON). Elsewhere (SQLite, in process) one query each."""
         if not self.postgres:
             out: list[list[Any]] = []
             for read in reads:
@@ -327,24 +237,10 @@ class RowStore:
                 else:
                     out.append(self.load(read.cls, read.statement))
             return out
-        params: dict[str, Any] = {}
-        for read in reads:
-            for name, value in read.query.params.items():
-                if params.setdefault(name, value) != value:
-                    raise ValueError(f"load_all: two reads give parameter {name} different values")
-        statement = _together(tuple((read.cls, read.extra, read.query.statement) for read in reads))
-        found = self.session.execute(statement, params).one()
         out = []
-        for read, value_rows in zip(reads, found, strict=True):
-            if isinstance(value_rows, str | bytes):
-                value_rows = json.loads(value_rows)
+        for read, value_rows in zip(reads, joint_read.fetch(self.session, reads), strict=True):
             names = read.names
             width = len(names) - len(read.extra)
-            for position, reader in _json_readers(read.cls, width):
-                for values in value_rows:
-                    value = values[position]
-                    if value is not None:
-                        values[position] = reader(value)
             if read.cls is None:
                 out.append([tuple(values) for values in value_rows])
             elif read.extra:
@@ -367,7 +263,7 @@ class RowStore:
     def load_with(self, cls: type[Row], statement: Select | sql.Query) -> list[tuple[Any, tuple[Any, ...]]]:
         """`load` for a statement that selects more than the table's columns: each row with
         the values of the columns after them."""
-        result = self.session.execute(*_as_query(statement))
+        result = self.session.execute(*as_query(statement))
         names = list(result.keys())
         width = sum(1 for name in names if name in cls.table.c)
         if names[:width] != [name for name in names if name in cls.table.c]:
@@ -410,8 +306,9 @@ class RowStore:
         inserted at the next `write`. A table keyed by `id` must get its id in `values`
         (`IdBlocks`) on PostgreSQL; elsewhere (SQLite) the row is inserted at once and the
         database numbers it."""
-        row = cls({**dict.fromkeys(cls.table.columns.keys()), **values})
-        if "id" in cls.table.c and row.id is None:
+        shape = _insert_shape(cls.table)
+        row = cls({**shape.blank, **values})
+        if shape.has_id and row.id is None:
             table = cls.table
             row.id = self.session.execute(insert(table).values(_insert_values(table, [row])[0]).returning(table.c.id)).scalar_one()
             self.writes += 1
@@ -518,39 +415,55 @@ class RowStore:
                 raise RuntimeError(f"update of {table.name} matched {count} rows for {len(rows)} changed rows")
 
 
+class _InsertShape(NamedTuple):
+    keys: tuple[str, ...]
+    blank: dict[str, None]  # every column None, as a new ORM object reads
+    defaults: tuple[tuple[str, Any], ...]  # scalar Python-side defaults
+    json_columns: tuple[str, ...]
+    server_defaults: tuple[str, ...]
+    has_id: bool
+
+
+@cache
+def _insert_shape(table: Table) -> _InsertShape:
+    """What a new row and an insert need of `table`, once (`ColumnCollection.keys()` builds a list
+    each call: asked per row, it was a tenth of a batch's write)."""
+    columns = table.columns
+    return _InsertShape(
+        tuple(columns.keys()),
+        dict.fromkeys(columns.keys()),
+        tuple((c.key, c.default.arg) for c in columns if c.default is not None and c.default.is_scalar),
+        tuple(c.key for c in columns if isinstance(c.type, JSON)),
+        tuple(c.key for c in columns if c.server_default is not None),
+        "id" in table.c,
+    )
+
+
 def _insert_values(table: Table, rows: list[Row]) -> list[dict[str, Any]]:
     """The rows as parameter sets of one INSERT: every column, a column's default where the
     row left it None (as the ORM fills in a column nobody set)."""
-    defaults = {
-        column.key: column.default.arg
-        for column in table.columns
-        if column.default is not None and column.default.is_scalar
-    }
-    # A JSON column's None is SQL NULL here, as for a column an ORM object never set (the
-    # JSON type writes a Python None as JSON null).
-    json_columns = [column.key for column in table.columns if isinstance(column.type, JSON)]
+    shape = _insert_shape(table)
+    keys, defaults, json_columns = shape.keys, shape.defaults, shape.json_columns
     values = []
     for row in rows:
         current = row.__dict__
-        item = {key: current.get(key) for key in table.columns.keys()}
-        for key, default in defaults.items():
+        item = {key: current.get(key) for key in keys}
+        for key, default in defaults:
             if item[key] is None:
                 item[key] = default
+        # A JSON column's None is SQL NULL here, as for a column an ORM object never set (the
+        # JSON type writes a Python None as JSON null).
         for key in json_columns:
             if item[key] is None:
                 item[key] = null()
         values.append(item)
     # A column with a server default that no row sets is left to the server.
-    unset = [
-        column.key
-        for column in table.columns
-        if column.server_default is not None and all(item[column.key] is None for item in values)
-    ]
+    unset = [key for key in shape.server_defaults if all(item[key] is None for item in values)]
     for item in values:
         for key in unset:
             del item[key]
     # No id on a dialect where the database numbers the rows (SQLite).
-    if "id" in table.c and all(item.get("id") is None for item in values):
+    if shape.has_id and all(item.get("id") is None for item in values):
         for item in values:
             del item["id"]
     return values

@@ -1,0 +1,129 @@
+"""Several reads of the ledger in one statement (PostgreSQL): what `RowStore.load_all` runs.
+
+A batch of results reads eight prefixes of the run's state before it decides (its attempts
+and their slots, over-dispatch's counts, the caches' first loads: `RunContext.read_ahead`),
+and each read alone is a round trip, whose latency a ledger on another host pays on every
+batch (`bench overhead --rtt-ms`; on one machine the JSON costs about what the round trips
+saved, bench/README.md). Here they are one statement, each read's rows aggregated into a JSON
+array in its own order. JSON carries timestamps as text and whole numbers of float columns as
+integers; each table's columns are read back to the types a plain query returns
+(`_json_readers`). All reads see one snapshot, as the separate queries do under the run's lock.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from functools import cache, lru_cache
+from typing import Any
+
+from sqlalchemy import Float, func, literal_column, select
+from sqlalchemy.dialects.postgresql import aggregate_order_by
+from sqlalchemy.orm import Session
+from sqlalchemy.sql import Select
+
+from refill.models import sql
+from refill.models.column_types import UTCDateTime
+
+
+@dataclass(frozen=True)
+class Read:
+    """One read of `RowStore.load_all`: `statement` (a `sql.Query`, or a plain statement)
+    selects every column of `cls`'s table (a `rows.Row` class), in the table's order, then the
+    columns named in `extra`; with no `cls`, just those."""
+
+    cls: Any
+    statement: Select | sql.Query
+    extra: tuple[str, ...] = ()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (*column_keys(self.cls), *self.extra)
+
+    @property
+    def query(self) -> sql.Query:
+        return as_query(self.statement)
+
+
+def as_query(statement: Select | sql.Query) -> sql.Query:
+    return statement if isinstance(statement, sql.Query) else sql.Query(statement, {})
+
+
+@cache
+def column_keys(cls: Any) -> tuple[str, ...]:
+    """The columns of row class `cls`'s table, in the table's order (none for None)."""
+    return tuple(cls.table.columns.keys()) if cls is not None else ()
+
+
+def fetch(session: Session, reads: Sequence[Read]) -> list[list[list[Any]]]:
+    """Run `reads` as one statement: for each, its rows as lists of values in `Read.names`
+    order, of the types a plain query of them returns."""
+    params: dict[str, Any] = {}
+    for read in reads:
+        for name, value in read.query.params.items():
+            if params.setdefault(name, value) != value:
+                raise ValueError(f"load_all: two reads give parameter {name} different values")
+    statement = _together(tuple((read.cls, read.extra, read.query.statement) for read in reads))
+    found = session.execute(statement, params).one()
+    out = []
+    for read, value_rows in zip(reads, found, strict=True):
+        if isinstance(value_rows, str | bytes):
+            value_rows = json.loads(value_rows)
+        width = len(read.names) - len(read.extra)
+        for position, reader in _json_readers(read.cls, width):
+            for values in value_rows:
+                value = values[position]
+                if value is not None:
+                    values[position] = reader(value)
+        out.append(value_rows)
+    return out
+
+
+@lru_cache(maxsize=8192)
+def _json_timestamp(value: str) -> datetime:
+    # Cached: a batch's rows carry a few distinct times (every row a transaction writes has
+    # its clock), each parsed once rather than once per row.
+    return datetime.fromisoformat(value).astimezone(UTC)
+
+
+@cache
+def _json_readers(cls: Any, width: int) -> tuple[tuple[int, Callable[[Any], Any]], ...]:
+    """Where a read of `cls` needs its JSON values read back to what a plain query returns:
+    (position, function) for its timestamps (text in JSON) and floats (1.0 comes back as 1,
+    NaN as "NaN"). The extra columns past `width` are integers, read as they are."""
+    if cls is None:
+        return ()
+    readers = []
+    for position, column in enumerate(cls.table.columns):
+        if isinstance(column.type, UTCDateTime):
+            readers.append((position, _json_timestamp))
+        elif isinstance(column.type, Float):
+            readers.append((position, float))
+    return tuple(r for r in readers if r[0] < width)
+
+
+@lru_cache(maxsize=256)
+def _json_row(alias: str, names: tuple[str, ...]) -> str:
+    return f"json_build_array({', '.join(f'{alias}.{name}' for name in names)})"
+
+
+@lru_cache(maxsize=256)
+def _together(reads: tuple[tuple[Any, tuple[str, ...], Select], ...]) -> Select:
+    """The statement `fetch` runs for reads of these classes, extra columns and statements:
+    each read's rows aggregated into a JSON array in its own order. Built once for each
+    combination of the statements `models/sql.py` builds once, so that its cache key is
+    computed once too (a batch's reads come in a few combinations)."""
+    arrays = []
+    for i, (cls, extra, statement) in enumerate(reads):
+        order = statement._order_by_clauses
+        if order:
+            # The row's place in the read's order, numbered before its LIMIT applies: the
+            # aggregate is ordered by it (a subquery's order does not bind an aggregate).
+            statement = statement.add_columns(func.row_number().over(order_by=order).label("refill_n"))
+        alias = f"refill_read_{i}"
+        row = literal_column(_json_row(alias, (*column_keys(cls), *extra)))
+        agg = func.json_agg(aggregate_order_by(row, literal_column(f"{alias}.refill_n"))) if order else func.json_agg(row)
+        arrays.append(select(func.coalesce(agg, literal_column("'[]'::json"))).select_from(statement.subquery(alias)).scalar_subquery())
+    return select(*arrays)
