@@ -30,6 +30,7 @@ from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
+from sqlalchemy.sql import ColumnElement
 
 from refill.models import sql
 from refill.models.clock import ledger_now
@@ -307,6 +308,13 @@ class RunContext:
             row = self.find_step(step)
         return row is not None and row.status == _STEP_OPEN
 
+    def _open_step_up_to(self, max_step: int) -> bool:
+        """Whether the run may have an open step numbered `max_step` or less: False only when
+        its unfinished steps are all here (`unfinished_steps`) and none of those is."""
+        if not self._unfinished_read:
+            return True
+        return any(row.status == _STEP_OPEN and row.step <= max_step for row in self.rows.steps.values())
+
     @property
     def outbox_ids(self) -> list[int]:
         return [*self.bulk_outbox_ids, *(row.id for row in self.outbox)]
@@ -428,7 +436,9 @@ class RunContext:
             self._adopt_waiting(self.rows.load(SlotRow, sql.open_slots(self.run.id, limit=self._waiting_chunk, waiting=True)))
         return self._waiting
 
-    def _adopt_waiting(self, rows: list[SlotRow]) -> None:
+    def _adopt_waiting(self, rows: list[SlotRow] | None) -> None:
+        if rows is None:
+            return  # not read (`read_ahead`'s `placing`): loaded on first use
         self._waiting = {}
         self._waiting_by_step = {}
         self._waiting_loaded_to = (rows[-1].step, rows[-1].idx) if len(rows) == self._waiting_chunk else None
@@ -445,6 +455,8 @@ class RunContext:
         The cache holds a prefix of the stored waiting slots (plus those this transaction
         added); when its part up to `max_step` has run short of `limit` while more are stored,
         it is loaded again (after a flush, so the slots settled since drop out)."""
+        if self._waiting is None and not self._open_step_up_to(max_step):
+            return []  # nothing to load: every waiting slot is in an open step
         for _ in range(2):
             self.waiting()
             found: list[SlotRow] = []
@@ -487,6 +499,8 @@ class RunContext:
         loaded again.
         """
         found: list[SlotRow] = []
+        if self._open_slots is None and not self._open_step_up_to(max_step):
+            return found
         for _ in range(2):
             if self._open_slots is None:
                 self.flush()
@@ -523,19 +537,28 @@ class RunContext:
             self._open_slots = None
         return found
 
-    def _adopt_open_slots(self, rows: list[SlotRow]) -> None:
+    def _adopt_open_slots(self, rows: list[SlotRow] | None) -> None:
+        if rows is None:
+            return  # not read (`read_ahead`'s `placing`): loaded on first use
         self._open_slots = rows
         self._open_slots_truncated = len(rows) == self._open_chunk
 
     # --- what a batch of results reads before it decides -------------------------------------
 
-    def read_ahead(self, reads: list[Read], *, waiting: bool, lendable: bool, open_slots: bool) -> list[list[Any]]:
+    def read_ahead(
+        self, reads: list[Read], *, waiting: bool, lendable: bool, open_slots: bool, placing: ColumnElement[bool] | None = None
+    ) -> list[Any]:
         """Run the caller's `reads` together with the first loads of the caches a batch of
         results will look up (the waiting slots; with `lendable` the lenders and the spare
         pool; with `open_slots` a prefix of open slots, whose live attempts `live_attempt`
         reads on first use) and the run's unfinished steps, in one round trip
         (`RowStore.load_all`), before the batch changes anything; returns the rows of the
         caller's reads.
+
+        `placing`, a condition over the parameters of the caller's reads, says whether the batch
+        may place a group outside its own slot: where it does not hold, the waiting and open
+        slots are not read (most batches of an `in_order` run: `sql.batch_places_elsewhere`),
+        and a placement that looks at them after all loads them then.
 
         Loaded one by one on first use, each cache would flush the batch's changes first:
         several flushes, each a round of statements, in the middle of every batch."""
@@ -544,14 +567,14 @@ class RunContext:
         if not self._unfinished_read:
             parts.append(([Read(StepRow, sql.unfinished_steps(self.run.id))], self._adopt_unfinished))
         if waiting and self._waiting is None:
-            parts.append(([Read(SlotRow, sql.open_slots(self.run.id, limit=self._waiting_chunk, waiting=True))], self._adopt_waiting))
+            parts.append(([Read(SlotRow, sql.open_slots(self.run.id, limit=self._waiting_chunk, waiting=True), when=placing)], self._adopt_waiting))
         if lendable and self._lendable_parked is None:
             committed, parked = sql.lendable(self.run.id, self.settings.max_lookahead_versions, self._lendable_chunk)
             parts.append(([Read(SlotRow, committed, extra=("lender_version",)), Read(None, parked, extra=("attempt_id", "weight_version"))], self._adopt_lendable))
         if lendable and self._spares_db is None and not self._spares_db_done:
             parts.append(([Read(SpareRow, sql.spares(self.run.id, self._spares_last_id, self._spare_chunk))], self._adopt_spares))
         if open_slots and self._open_slots is None:
-            parts.append(([Read(SlotRow, sql.open_slots(self.run.id, limit=self._open_chunk))], self._adopt_open_slots))
+            parts.append(([Read(SlotRow, sql.open_slots(self.run.id, limit=self._open_chunk), when=placing)], self._adopt_open_slots))
         found = self.rows.load_all([*reads, *(read for part, _ in parts for read in part)])
         at = len(reads)
         for part, adopt in parts:

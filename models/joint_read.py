@@ -19,10 +19,10 @@ from datetime import UTC, datetime
 from functools import cache, lru_cache
 from typing import Any
 
-from sqlalchemy import Float, func, literal_column, select
+from sqlalchemy import Float, case, func, literal_column, select
 from sqlalchemy.dialects.postgresql import aggregate_order_by
 from sqlalchemy.orm import Session
-from sqlalchemy.sql import Select
+from sqlalchemy.sql import ColumnElement, Select
 
 from refill.models import sql
 from refill.models.column_types import UTCDateTime
@@ -32,11 +32,14 @@ from refill.models.column_types import UTCDateTime
 class Read:
     """One read of `RowStore.load_all`: `statement` (a `sql.Query`, or a plain statement)
     selects every column of `cls`'s table (a `rows.Row` class), in the table's order, then the
-    columns named in `extra`; with no `cls`, just those."""
+    columns named in `extra`; with no `cls`, just those. With `when` (a condition over the
+    parameters of the reads it runs with), the read runs only where it holds, and returns None
+    where it does not: a read a batch may not need costs the database nothing then."""
 
     cls: Any
     statement: Select | sql.Query
     extra: tuple[str, ...] = ()
+    when: ColumnElement[bool] | None = None
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -57,18 +60,22 @@ def column_keys(cls: Any) -> tuple[str, ...]:
     return tuple(cls.table.columns.keys()) if cls is not None else ()
 
 
-def fetch(session: Session, reads: Sequence[Read]) -> list[list[list[Any]]]:
+def fetch(session: Session, reads: Sequence[Read]) -> list[list[list[Any]] | None]:
     """Run `reads` as one statement: for each, its rows as lists of values in `Read.names`
-    order, of the types a plain query of them returns."""
+    order, of the types a plain query of them returns (None for a read whose `when` did not
+    hold)."""
     params: dict[str, Any] = {}
     for read in reads:
         for name, value in read.query.params.items():
             if params.setdefault(name, value) != value:
                 raise ValueError(f"load_all: two reads give parameter {name} different values")
-    statement = _together(tuple((read.cls, read.extra, read.query.statement) for read in reads))
+    statement = _together(tuple((read.cls, read.extra, read.query.statement, read.when) for read in reads))
     found = session.execute(statement, params).one()
-    out = []
+    out: list[list[list[Any]] | None] = []
     for read, value_rows in zip(reads, found, strict=True):
+        if value_rows is None:  # its `when` did not hold
+            out.append(None)
+            continue
         if isinstance(value_rows, str | bytes):
             value_rows = json.loads(value_rows)
         width = len(read.names) - len(read.extra)
@@ -110,13 +117,14 @@ def _json_row(alias: str, names: tuple[str, ...]) -> str:
 
 
 @lru_cache(maxsize=256)
-def _together(reads: tuple[tuple[Any, tuple[str, ...], Select], ...]) -> Select:
-    """The statement `fetch` runs for reads of these classes, extra columns and statements:
-    each read's rows aggregated into a JSON array in its own order. Built once for each
+def _together(reads: tuple[tuple[Any, tuple[str, ...], Select, ColumnElement[bool] | None], ...]) -> Select:
+    """The statement `fetch` runs for reads of these classes, extra columns, statements and
+    conditions: each read's rows aggregated into a JSON array in its own order (NULL where its
+    condition does not hold: a CASE, whose branch not taken PostgreSQL never runs). Built once for each
     combination of the statements `models/sql.py` builds once, so that its cache key is
     computed once too (a batch's reads come in a few combinations)."""
     arrays = []
-    for i, (cls, extra, statement) in enumerate(reads):
+    for i, (cls, extra, statement, when) in enumerate(reads):
         order = statement._order_by_clauses
         if order:
             # The row's place in the read's order, numbered before its LIMIT applies: the
@@ -125,5 +133,6 @@ def _together(reads: tuple[tuple[Any, tuple[str, ...], Select], ...]) -> Select:
         alias = f"refill_read_{i}"
         row = literal_column(_json_row(alias, (*column_keys(cls), *extra)))
         agg = func.json_agg(aggregate_order_by(row, literal_column(f"{alias}.refill_n"))) if order else func.json_agg(row)
-        arrays.append(select(func.coalesce(agg, literal_column("'[]'::json"))).select_from(statement.subquery(alias)).scalar_subquery())
+        array = select(func.coalesce(agg, literal_column("'[]'::json"))).select_from(statement.subquery(alias)).scalar_subquery()
+        arrays.append(array if when is None else case((when, array)))
     return select(*arrays)

@@ -154,6 +154,8 @@ def _read_batch(ctx: RunContext, attempt_ids: list[int]) -> tuple[dict[int, Atte
         lendable=running and settings.use_dynamic_sampling,
         # an extra, or any group under another sampler, takes an open slot
         open_slots=running and (settings.over_dispatch or settings.sampler_name != "in_order"),
+        # `in_order` places a group elsewhere only for an extra or a later step's group
+        placing=sql.batch_places_elsewhere() if settings.sampler_name == "in_order" else None,
     )
     return {a.id: a for a in found[0]}, counted(ctx, counts, found[2]) if counts else None
 

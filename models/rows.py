@@ -221,12 +221,14 @@ class RowStore:
             rows.append(row)
         return rows
 
-    def load_all(self, reads: Sequence[Read]) -> list[list[Any]]:
+    def load_all(self, reads: Sequence[Read]) -> list[Any]:
         """Several reads in one round trip: for each `Read`, what `load` (or `load_with`, or
-        for a read of no row class the plain value tuples) would return.
+        for a read of no row class the plain value tuples) would return, or None for a read
+        whose `when` did not hold.
 
         On PostgreSQL they are one statement (`models/joint_read.py`: why, and how the rows
-        come back as JSON). Elsewhere (SQLite, in process) one query each."""
+        come back as JSON). Elsewhere (SQLite, in process) one query each, every one run: a
+        read's `when` only spares the database work, so reading anyway is never wrong."""
         if not self.postgres:
             out: list[list[Any]] = []
             for read in reads:
@@ -241,7 +243,9 @@ class RowStore:
         for read, value_rows in zip(reads, joint_read.fetch(self.session, reads), strict=True):
             names = read.names
             width = len(names) - len(read.extra)
-            if read.cls is None:
+            if value_rows is None:
+                out.append(None)
+            elif read.cls is None:
                 out.append([tuple(values) for values in value_rows])
             elif read.extra:
                 adopted = self.adopt(read.cls, names[:width], (values[:width] for values in value_rows))

@@ -27,6 +27,7 @@ from sqlalchemy import (
     Table,
     and_,
     bindparam,
+    exists,
     func,
     insert,
     or_,
@@ -304,6 +305,22 @@ def _slots_of_attempts() -> Select[Any]:
 def slots_of_attempts(run_id: int, ids: Iterable[int]) -> Query:
     """The slots that the run's attempts among `ids` are aimed at (an extra's, none)."""
     return Query(_slots_of_attempts(), {"run_id": run_id, "attempt_ids": list(ids)})
+
+
+@cache
+def batch_places_elsewhere() -> ColumnElement[bool]:
+    """Whether a batch of results may place a group outside its own slot under the `in_order`
+    sampler: one of its attempts (the bound `attempt_ids` of `attempts_by_id`, with its
+    parameters) is an extra, or serves a step later than the run's first open one (whose
+    groups may fill slots of the earlier step waiting on a replacement). Where neither holds,
+    the batch never looks at the open slots or those waiting (`RunContext.read_ahead`)."""
+    first_open = (
+        select(func.min(_steps.c.step))
+        # 'not trained' as well: the partial index of the unfinished steps, not the run's history.
+        .where(_steps.c.run_id == bindparam("run_id"), _steps.c.status != literal(_STEP_TRAINED), _steps.c.status == _STEP_OPEN)
+        .scalar_subquery()
+    )
+    return exists().where(*_batch_attempts(), or_(_attempts.c.slot_idx.is_(None), _attempts.c.step > first_open))
 
 
 @cache

@@ -4,6 +4,7 @@ blocks from the sequences, and the prefix of waiting slots a batch's placements 
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 from sqlalchemy import event, select
@@ -12,6 +13,7 @@ from refill.models import context as context_module
 from refill.models import rollout_codec
 from refill.models.context import RunContext
 from refill.models.ids import FIRST_BLOCK, IdBlocks
+from refill.models.results import Outcome
 from refill.models.slots import shrink
 from refill.models.tables import (
     Attempt,
@@ -311,3 +313,93 @@ def test_reads_run_together_return_what_each_query_returns_alone(ledger) -> None
 
     with pytest.raises(Rollback):
         ledger.transaction(look)
+
+
+def test_a_read_with_a_condition_costs_nothing_where_the_condition_does_not_hold(ledger) -> None:  # type: ignore[no-untyped-def]
+    """`Read.when`: on PostgreSQL a read whose condition does not hold comes back None, and its
+    subquery is never run (the plan says so); SQLite runs every read (never wrong)."""
+    from sqlalchemy import exists
+
+    from refill.models import sql
+    from refill.models.rows import Read, RowStore, SlotRow, SpareRow
+
+    d = Driver(ledger, {"grpo": {"num_prompts_per_step": 8}}, num_prompts=80)
+    d.admit()
+    run_id = d.run_id
+
+    def has_step(number: int) -> Any:  # a condition the planner cannot fold away
+        return exists().where(Step.run_id == run_id, Step.step == number)
+
+    def reads() -> list[Read]:
+        return [Read(SlotRow, sql.open_slots(run_id, limit=3), when=has_step(0)), Read(SpareRow, sql.spares(run_id, 0, 4), when=has_step(99))]
+
+    def look(session):  # type: ignore[no-untyped-def]
+        sent: list[tuple[str, Any]] = []
+        connection = session.connection()
+
+        def seen(conn, cursor, statement, parameters, context, executemany):  # type: ignore[no-untyped-def]
+            sent.append((statement, parameters))
+
+        event.listen(connection, "before_cursor_execute", seen)
+        try:
+            slots, spares = RowStore(session).load_all(reads())
+        finally:
+            event.remove(connection, "before_cursor_execute", seen)
+        assert [(slot.step, slot.idx) for slot in slots] == [(0, 0), (0, 1), (0, 2)]
+        if connection.dialect.name != "postgresql":
+            assert spares is not None and len(spares) == 4
+            raise Rollback
+        assert spares is None and len(sent) == 1
+        statement, parameters = sent[0]
+        plan = [row[0] for row in connection.exec_driver_sql("EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF) " + statement, parameters)]
+        scans = {table: [line for line in plan if f" on {table}" in line] for table in ("slots", "spare_prompts")}
+        assert scans["spare_prompts"] and all("never executed" in line for line in scans["spare_prompts"]), plan
+        assert scans["slots"] and not any("never executed" in line for line in scans["slots"]), plan
+        raise Rollback
+
+    with pytest.raises(Rollback):
+        ledger.transaction(look)
+
+
+def test_a_batch_reads_the_open_and_waiting_slots_only_where_it_may_place_a_group_elsewhere(pg_ledger, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Under `in_order` a group fills its own slot unless it is an extra's or serves a later
+    step than the first open one (`sql.batch_places_elsewhere`): a batch of neither reads no
+    open or waiting slots, ahead or later; the others read them with the batch's first read."""
+    d = Driver(
+        pg_ledger,
+        {"grpo": {"num_prompts_per_step": 8}, "async_rl": {"max_lookahead_versions": 1, "over_dispatch": {"enabled": True, "safety_sigmas": 0.0}}},
+        num_prompts=80,
+    )
+    assert d.admit() == [0, 1]
+    d.filter_slot(0, 2)  # nothing to borrow yet: a spare replacement goes out, the slot waits
+    assert d.slot(0, 2).needs_replacement
+    read: list[tuple[str, bool]] = []
+    adopt_waiting, adopt_open = RunContext._adopt_waiting, RunContext._adopt_open_slots
+
+    def waiting(self, rows):  # type: ignore[no-untyped-def]
+        read.append(("waiting", rows is not None))
+        adopt_waiting(self, rows)
+
+    def open_slots(self, rows):  # type: ignore[no-untyped-def]
+        read.append(("open", rows is not None))
+        adopt_open(self, rows)
+
+    monkeypatch.setattr(RunContext, "_adopt_waiting", waiting)
+    monkeypatch.setattr(RunContext, "_adopt_open_slots", open_slots)
+
+    own = d.commit_slot(0, 3)  # the first open step's own group
+    assert own.outcome is Outcome.COMMITTED and d.slot(0, 3).group_attempt_id == own.attempt_id
+    assert read == [("waiting", False), ("open", False)]  # not read, nor loaded on use
+
+    read.clear()
+    later = d.commit_slot(1, 4)  # a later step's group: it fills step 0's waiting slot
+    assert d.slot(0, 2).group_attempt_id == later.attempt_id and d.slot(1, 4).status == "open"
+    assert read == [("waiting", True), ("open", True)]
+
+    read.clear()
+    extra = next(a for a in d.live(1) if a.slot_idx is None)
+    d.start(extra.id)
+    assert d.record(d.result(extra.id, SPREAD)).outcomes[0].outcome is Outcome.COMMITTED
+    assert read == [("waiting", True), ("open", True)]
+    # It filled an open slot (the first, of step 0: an extra may serve any step it can train).
+    assert [s.group_attempt_id for step in (0, 1) for s in d.slots(step)].count(extra.id) == 1
