@@ -30,14 +30,13 @@ from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
-from sqlalchemy.sql import ColumnElement
 
 from refill.models import sql
 from refill.models.clock import ledger_now
 from refill.models.clock import utcnow as utcnow  # re-exported: where its importers find it
 from refill.models.db import lock_run
 from refill.models.ids import IdBlocks
-from refill.models.joint_read import column_keys
+from refill.models.joint_read import When, column_keys, condition
 from refill.models.rows import (
     AttemptRow,
     GroupRow,
@@ -545,36 +544,29 @@ class RunContext:
 
     # --- what a batch of results reads before it decides -------------------------------------
 
-    def read_ahead(
-        self, reads: list[Read], *, waiting: bool, lendable: bool, open_slots: bool, placing: ColumnElement[bool] | None = None
-    ) -> list[Any]:
-        """Run the caller's `reads` together with the first loads of the caches a batch of
-        results will look up (the waiting slots; with `lendable` the lenders and the spare
-        pool; with `open_slots` a prefix of open slots, whose live attempts `live_attempt`
-        reads on first use) and the run's unfinished steps, in one round trip
-        (`RowStore.load_all`), before the batch changes anything; returns the rows of the
-        caller's reads.
+    def read_ahead(self, reads: list[Read], *, waiting: When, lendable: bool, open_slots: When) -> list[Any]:
+        """Run the caller's `reads` with the run's unfinished steps and the first loads of the
+        caches a batch of results will look up (`waiting` slots, `lendable` groups and spare
+        prompts, a prefix of `open_slots`, whose live attempts `live_attempt` reads on first use)
+        in one round trip (`RowStore.load_all`), before the batch changes anything; returns the
+        rows of the caller's reads. A cache's flag may be a
+        condition (SQL over the parameters of the caller's reads, `joint_read.When`): where it
+        does not hold, the cache is not read, and loads on first use if used after all.
 
-        `placing`, a condition over the parameters of the caller's reads, says whether the batch
-        may place a group outside its own slot: where it does not hold, the waiting and open
-        slots are not read (most batches of an `in_order` run: `sql.batch_places_elsewhere`),
-        and a placement that looks at them after all loads them then.
-
-        Loaded one by one on first use, each cache would flush the batch's changes first:
-        several flushes, each a round of statements, in the middle of every batch."""
+        Loaded one by one on first use, each cache would flush the batch's changes first."""
         self.flush()
         parts: list[tuple[list[Read], Callable[..., None]]] = []
         if not self._unfinished_read:
             parts.append(([Read(StepRow, sql.unfinished_steps(self.run.id))], self._adopt_unfinished))
-        if waiting and self._waiting is None:
-            parts.append(([Read(SlotRow, sql.open_slots(self.run.id, limit=self._waiting_chunk, waiting=True), when=placing)], self._adopt_waiting))
+        if waiting is not False and self._waiting is None:
+            parts.append(([Read(SlotRow, sql.open_slots(self.run.id, limit=self._waiting_chunk, waiting=True), when=condition(waiting))], self._adopt_waiting))
         if lendable and self._lendable_parked is None:
             committed, parked = sql.lendable(self.run.id, self.settings.max_lookahead_versions, self._lendable_chunk)
             parts.append(([Read(SlotRow, committed, extra=("lender_version",)), Read(None, parked, extra=("attempt_id", "weight_version"))], self._adopt_lendable))
         if lendable and self._spares_db is None and not self._spares_db_done:
             parts.append(([Read(SpareRow, sql.spares(self.run.id, self._spares_last_id, self._spare_chunk))], self._adopt_spares))
-        if open_slots and self._open_slots is None:
-            parts.append(([Read(SlotRow, sql.open_slots(self.run.id, limit=self._open_chunk), when=placing)], self._adopt_open_slots))
+        if open_slots is not False and self._open_slots is None:
+            parts.append(([Read(SlotRow, sql.open_slots(self.run.id, limit=self._open_chunk), when=condition(open_slots))], self._adopt_open_slots))
         found = self.rows.load_all([*reads, *(read for part, _ in parts for read in part)])
         at = len(reads)
         for part, adopt in parts:

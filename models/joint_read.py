@@ -50,6 +50,17 @@ class Read:
         return as_query(self.statement)
 
 
+#: Whether to run a read: always, never, or where a condition (SQL) holds (`Read.when`).
+When = bool | ColumnElement[bool]
+
+
+def condition(flag: When) -> ColumnElement[bool] | None:
+    """A `When` that says to run a read, as `Read.when` takes it."""
+    if flag is False:
+        raise ValueError("a read that never runs has no condition: leave it out")
+    return None if flag is True else flag
+
+
 def as_query(statement: Select | sql.Query) -> sql.Query:
     return statement if isinstance(statement, sql.Query) else sql.Query(statement, {})
 

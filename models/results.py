@@ -143,19 +143,19 @@ def _read_batch(ctx: RunContext, attempt_ids: list[int]) -> tuple[dict[int, Atte
     run_id = ctx.run.id
     settings, running = ctx.settings, ctx.running
     counts = counts_read(ctx)
+    in_order = settings.sampler_name == "in_order"
     found = ctx.read_ahead(
         [
             Read(AttemptRow, sql.attempts_by_id(run_id, attempt_ids)),
             Read(SlotRow, sql.slots_of_attempts(run_id, attempt_ids)),
             *([counts] if counts else []),
         ],
-        waiting=running,
+        # `in_order` fills a waiting slot with a later step's group or an extra's
+        waiting=running and (sql.batch_places_elsewhere() if in_order else True),
         # a filtered group's slot borrows, or takes a spare prompt
         lendable=running and settings.use_dynamic_sampling,
-        # an extra, or any group under another sampler, takes an open slot
-        open_slots=running and (settings.over_dispatch or settings.sampler_name != "in_order"),
-        # `in_order` places a group elsewhere only for an extra or a later step's group
-        placing=sql.batch_places_elsewhere() if settings.sampler_name == "in_order" else None,
+        # an extra's group, or any group under another sampler, takes an open slot
+        open_slots=running and (settings.over_dispatch or not in_order) and (sql.batch_has_extra() if in_order else True),
     )
     return {a.id: a for a in found[0]}, counted(ctx, counts, found[2]) if counts else None
 

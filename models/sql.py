@@ -313,7 +313,7 @@ def batch_places_elsewhere() -> ColumnElement[bool]:
     sampler: one of its attempts (the bound `attempt_ids` of `attempts_by_id`, with its
     parameters) is an extra, or serves a step later than the run's first open one (whose
     groups may fill slots of the earlier step waiting on a replacement). Where neither holds,
-    the batch never looks at the open slots or those waiting (`RunContext.read_ahead`)."""
+    the batch never looks at the slots waiting (`RunContext.read_ahead`)."""
     first_open = (
         select(func.min(_steps.c.step))
         # 'not trained' as well: the partial index of the unfinished steps, not the run's history.
@@ -321,6 +321,13 @@ def batch_places_elsewhere() -> ColumnElement[bool]:
         .scalar_subquery()
     )
     return exists().where(*_batch_attempts(), or_(_attempts.c.slot_idx.is_(None), _attempts.c.step > first_open))
+
+
+@cache
+def batch_has_extra() -> ColumnElement[bool]:
+    """Whether one of a batch's attempts (`attempts_by_id`'s, with its parameters) is an
+    extra: under `in_order` only an extra's group may take an open slot that is not waiting."""
+    return exists().where(*_batch_attempts(), _attempts.c.slot_idx.is_(None))
 
 
 @cache

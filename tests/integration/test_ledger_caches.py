@@ -361,10 +361,11 @@ def test_a_read_with_a_condition_costs_nothing_where_the_condition_does_not_hold
         ledger.transaction(look)
 
 
-def test_a_batch_reads_the_open_and_waiting_slots_only_where_it_may_place_a_group_elsewhere(pg_ledger, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """Under `in_order` a group fills its own slot unless it is an extra's or serves a later
-    step than the first open one (`sql.batch_places_elsewhere`): a batch of neither reads no
-    open or waiting slots, ahead or later; the others read them with the batch's first read."""
+def test_a_batch_reads_the_open_and_waiting_slots_only_where_it_may_place_a_group_in_them(pg_ledger, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Under `in_order` a group fills its own slot unless it is an extra's (which may take any
+    open slot, `sql.batch_has_extra`) or serves a later step than the first open one (which may
+    take a slot waiting on a replacement, `sql.batch_places_elsewhere`): a batch reads the open
+    and waiting slots with its first read only where it may, and not later."""
     d = Driver(
         pg_ledger,
         {"grpo": {"num_prompts_per_step": 8}, "async_rl": {"max_lookahead_versions": 1, "over_dispatch": {"enabled": True, "safety_sigmas": 0.0}}},
@@ -394,7 +395,7 @@ def test_a_batch_reads_the_open_and_waiting_slots_only_where_it_may_place_a_grou
     read.clear()
     later = d.commit_slot(1, 4)  # a later step's group: it fills step 0's waiting slot
     assert d.slot(0, 2).group_attempt_id == later.attempt_id and d.slot(1, 4).status == "open"
-    assert read == [("waiting", True), ("open", True)]
+    assert read == [("waiting", True), ("open", False)]  # only an extra's takes an open slot
 
     read.clear()
     extra = next(a for a in d.live(1) if a.slot_idx is None)

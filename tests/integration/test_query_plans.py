@@ -101,7 +101,8 @@ def test_a_metered_relay_pass_reads_its_runs_first_rows_whatever_the_statistics_
     assert buffers < 2000, f"a relay pass touched {buffers} buffers for {DEFAULT_QUEUED_PER_SHARE} rows of 5,000"
 
 
-def test_a_batchs_first_read_ahead_under_a_generic_plan_reads_about_its_own_rows(pg_ledger) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("with_extra", [False, True], ids=["own-groups", "with-an-extra"])
+def test_a_batchs_first_read_ahead_under_a_generic_plan_reads_about_its_own_rows(pg_ledger, with_extra) -> None:  # type: ignore[no-untyped-def]
     """The first read of a batch of results (its attempts by id and the slots they serve,
     over-dispatch's counts, the run's unfinished steps, waiting slots, lenders, spare prompts
     and open slots) has the same text for every batch, so psycopg prepares it and PostgreSQL may
@@ -109,13 +110,17 @@ def test_a_batchs_first_read_ahead_under_a_generic_plan_reads_about_its_own_rows
     by primary key and the run's rows by their indexes: beside 40,000 attempts and 20,000 slots
     of another run, with no statistics, with statistics from before those rows and with
     statistics after them, it touches under 600 buffers (180-310 when written, 100-190 before
-    the slots joined the read; with index scans turned off, about 7,000)."""
+    the slots joined the read; with index scans turned off, about 7,000), whether or not the
+    batch holds an extra's result (for which it reads the open slots too)."""
     from sqlalchemy import event
 
     d = Driver(pg_ledger, {"grpo": {"num_prompts_per_step": 64}, "async_rl": {"over_dispatch": {"enabled": True}}}, num_prompts=512)
     d.admit()
     d.start_all([a.id for a in d.live()])
     batch = [d.result(a.id, [0.0, 1.0, 1.0, 0.0] if i % 3 else [1.0] * 4) for i, a in enumerate(d.live(0)[:16])]
+    if with_extra:
+        extra = next(a for a in d.live() if a.slot_idx is None)
+        batch[-1] = d.result(extra.id, [0.0, 1.0, 1.0, 0.0])
     reads: list[tuple[str, dict]] = []  # type: ignore[type-arg]
 
     def record(conn, cursor, statement, parameters, context, executemany):  # type: ignore[no-untyped-def]
@@ -140,7 +145,7 @@ def test_a_batchs_first_read_ahead_under_a_generic_plan_reads_about_its_own_rows
     made_up = (  # another run, a copy of this one's row, with a step of 20,000 slots and 40,000 live attempts
         copies("runs", f"id = {d.run_id}", "jsonb_build_object('id', nextval(pg_get_serial_sequence('runs', 'id')), 'name', 'other', 'config_hash', md5('other'))", 1)
         + copies("steps", f"run_id = {d.run_id}", f"jsonb_build_object('run_id', {other}, 'step', 0, 'num_slots', 20000)", 1)
-        + copies("slots", f"run_id = {d.run_id}", f"jsonb_build_object('run_id', {other}, 'step', 0, 'idx', g, 'status', 'open', 'needs_replacement', g % 2 = 0)", 20000)
+        + copies("slots", f"run_id = {d.run_id}", f"jsonb_build_object('run_id', {other}, 'step', 0, 'idx', g, 'status', 'open', 'needs_replacement', g % 2 = 0, 'group_attempt_id', NULL, 'settled_at', NULL)", 20000)
         + copies("attempts", f"run_id = {d.run_id} AND state = 'running'", f"jsonb_build_object('id', nextval(pg_get_serial_sequence('attempts', 'id')), 'run_id', {other}, 'step', 0, 'slot_idx', g % 20000, 'state', 'running')", 40000)
     )
     statement, parameters = reads[0]
