@@ -131,9 +131,9 @@ def _json_row(alias: str, names: tuple[str, ...]) -> str:
 def _together(reads: tuple[tuple[Any, tuple[str, ...], Select, ColumnElement[bool] | None], ...]) -> Select:
     """The statement `fetch` runs for reads of these classes, extra columns, statements and
     conditions: each read's rows aggregated into a JSON array in its own order (NULL where its
-    condition does not hold: a CASE, whose branch not taken PostgreSQL never runs). Built once for each
-    combination of the statements `models/sql.py` builds once, so that its cache key is
-    computed once too (a batch's reads come in a few combinations)."""
+    condition does not hold: a CASE, whose branch not taken PostgreSQL never runs). Built once
+    for each combination of the statements `models/sql.py` builds once, so that its cache key
+    is computed once too (a batch's reads come in a few combinations)."""
     arrays = []
     for i, (cls, extra, statement, when) in enumerate(reads):
         order = statement._order_by_clauses
