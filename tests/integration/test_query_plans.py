@@ -10,6 +10,7 @@ from sqlalchemy.dialects import postgresql
 
 from refill.models import sql
 from refill.models.tables import Step, StepStatus
+from tests.support import plans
 from tests.support.driver import Driver
 from tests.support.plans import run_explained, run_explained_generic
 
@@ -110,8 +111,10 @@ def test_a_batchs_first_read_ahead_under_a_generic_plan_reads_about_its_own_rows
     by primary key and the run's rows by their indexes: beside 40,000 attempts and 20,000 slots
     of another run, with no statistics, with statistics from before those rows and with
     statistics after them, it touches under 600 buffers (180-310 when written, 100-190 before
-    the slots joined the read; with index scans turned off, about 7,000), whether or not the
-    batch holds an extra's result (for which it reads the open slots too)."""
+    the slots joined the read; with index scans turned off, about 7,000). A batch that holds an
+    extra's result reads the open slots too: under 1,000 (340-390 when written, 609 once in CI,
+    where the tables' sizes left by earlier tests differ: `ANALYZE` writes those in place, and
+    rolling back does not undo them)."""
     from sqlalchemy import event
 
     d = Driver(pg_ledger, {"grpo": {"num_prompts_per_step": 64}, "async_rl": {"over_dispatch": {"enabled": True}}}, num_prompts=512)
@@ -152,7 +155,10 @@ def test_a_batchs_first_read_ahead_under_a_generic_plan_reads_about_its_own_rows
     analyze = "ANALYZE runs, steps, slots, attempts, groups, spare_prompts;"
     # No statistics; statistics of the small run only (taken before the other run's rows came);
     # statistics of both.
+    # A batch with an extra's result reads the open slots as well, and two conditions of the
+    # batch's attempts (each about 35 buffers): more work, bounded by its own rows all the same.
+    bound = 1000 if with_extra else 600
     for when, before in (("none", made_up), ("before", analyze + made_up), ("after", made_up + analyze)):
         rows, buffers = run_explained_generic(pg_ledger, statement, parameters, before=before)
         assert rows == 1
-        assert buffers < 600, f"the first read-ahead touched {buffers} buffers (statistics: {when} 60,000 rows)"
+        assert buffers < bound, f"the first read-ahead touched {buffers} buffers (statistics: {when} 60,000 rows): {plans.last_scans[:6]}"

@@ -64,8 +64,28 @@ def run_explained_generic(ledger: Ledger, statement: str, parameters: dict[str, 
     return _rows_and_buffers(plan)
 
 
+#: The scans of the last plan explained, heaviest first: for a failing test's message (where a
+#: plan's buffers went, which a count alone does not say).
+last_scans: list[str] = []
+
+
 def _rows_and_buffers(plan: Any) -> tuple[int, int]:
     """The top node's rows and the shared buffers it touched (hit or read), from `EXPLAIN`'s JSON."""
     plan = plan if isinstance(plan, list) else json.loads(plan)
     top = plan[0]["Plan"]
-    return top["Actual Rows"], top.get("Shared Hit Blocks", 0) + top.get("Shared Read Blocks", 0)
+    scans: list[tuple[int, str]] = []
+
+    def walk(node: dict[str, Any]) -> None:
+        if "Scan" in node["Node Type"]:
+            where = node.get("Index Name") or node.get("Relation Name") or ""
+            scans.append((_buffers(node), f"{node['Node Type']} {where} x{node.get('Actual Loops')}: {_buffers(node)}"))
+        for child in node.get("Plans", []):
+            walk(child)
+
+    walk(top)
+    last_scans[:] = [text for _, text in sorted(scans, key=lambda scan: -scan[0])]
+    return top["Actual Rows"], _buffers(top)
+
+
+def _buffers(node: dict[str, Any]) -> int:
+    return int(node.get("Shared Hit Blocks", 0) + node.get("Shared Read Blocks", 0))
