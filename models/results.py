@@ -147,7 +147,7 @@ def _read_batch(ctx: RunContext, attempt_ids: list[int]) -> tuple[dict[int, Atte
     found = ctx.read_ahead(
         [
             Read(AttemptRow, sql.attempts_by_id(run_id, attempt_ids)),
-            Read(SlotRow, sql.slots_of_attempts(run_id, attempt_ids)),
+            Read(SlotRow, sql.slots_of_attempts(run_id, attempt_ids, postgres=ctx.rows.postgres)),
             *([counts] if counts else []),
         ],
         # `in_order` fills a waiting slot with a later step's group or an extra's

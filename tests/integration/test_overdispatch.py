@@ -397,7 +397,8 @@ def test_a_batch_reads_its_attempts_and_their_slots_in_one_statement(pg_ledger) 
     finally:
         event.remove(pg_ledger.engine, "before_cursor_execute", record)
     assert len(reads) == 2 and reads[0] == reads[1], reads
-    assert re.search(r"FROM attempts JOIN slots ON", reads[0]) and "%(attempt_ids)s" in reads[0]
+    # the slots probed from the attempts' rows (sql.slots_of_attempts), in the same statement
+    assert re.search(r"FROM attempts JOIN LATERAL \(SELECT slots\.", reads[0]) and "%(attempt_ids)s" in reads[0]
     # Each batch committed one group into its own slot and filtered the other's.
     committed = d.query(lambda s: {(slot.idx, slot.status) for slot in s.query(Slot).filter_by(run_id=d.run_id, step=1).filter(Slot.idx < 4)})
     assert committed == {(0, "committed"), (1, "open"), (2, "committed"), (3, "open")}
