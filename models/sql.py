@@ -297,9 +297,9 @@ def _slots_of_attempts(lateral: bool) -> Select[Any]:
     # attempts), the planner with no statistics on the step's slots took the run and step as
     # the index condition and filtered the step's every slot by index (4,096 rows, about 1 ms).
     # On PostgreSQL the slot is a LATERAL subquery behind OFFSET 0, which the planner cannot
-    # turn into a join to reorder: as a plain join, a generic plan that took the slots table
-    # for nearly empty (its size as an ANALYZE of the empty table left it) walked every slot
-    # and probed the attempts for each (20,000 slots of another run: 80,000 buffers).
+    # turn into a join to reorder: as a plain join, a generic plan under statistics a background
+    # analyze had left (in CI) walked every slot and probed the attempts for each (20,000
+    # slots of another run: 80,000 buffers).
     on = (_slots.c.run_id == _attempts.c.run_id, _slots.c.step == _attempts.c.step, _slots.c.idx == _attempts.c.slot_idx)
     if not lateral:
         return select(*SLOT_COLUMNS).select_from(_attempts.join(_slots, and_(*on))).where(*_batch_attempts())
