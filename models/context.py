@@ -437,7 +437,7 @@ class RunContext:
 
     def _adopt_waiting(self, rows: list[SlotRow] | None) -> None:
         if rows is None:
-            return  # not read (`read_ahead`'s `placing`): loaded on first use
+            return  # not read (its `read_ahead` condition did not hold): loaded on first use
         self._waiting = {}
         self._waiting_by_step = {}
         self._waiting_loaded_to = (rows[-1].step, rows[-1].idx) if len(rows) == self._waiting_chunk else None
@@ -538,7 +538,7 @@ class RunContext:
 
     def _adopt_open_slots(self, rows: list[SlotRow] | None) -> None:
         if rows is None:
-            return  # not read (`read_ahead`'s `placing`): loaded on first use
+            return  # not read (its `read_ahead` condition did not hold): loaded on first use
         self._open_slots = rows
         self._open_slots_truncated = len(rows) == self._open_chunk
 
