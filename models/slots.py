@@ -373,11 +373,20 @@ def release_to_extra(ctx: RunContext, slot: SlotRow) -> None:
 # --- failures (SPEC §3.2, §3.6) ----------------------------------------------------------
 
 
-def infra_failure(ctx: RunContext, attempt: AttemptRow, error: str) -> None:
+#: How much of a failure's error an attempt keeps: the row holds what a person reads first; a
+#: worker's full traceback belongs in its log.
+ERROR_CHARS = 4000
+
+
+def _failed(ctx: RunContext, attempt: AttemptRow, kind: FailureKind, error: str) -> None:
     attempt.state = AttemptState.FAILED.value
-    attempt.failure_kind = FailureKind.INFRA.value
-    attempt.error = error[:4000]
+    attempt.failure_kind = kind.value
+    attempt.error = error[:ERROR_CHARS]
     attempt.finished_at = attempt.finished_at or ctx.now
+
+
+def infra_failure(ctx: RunContext, attempt: AttemptRow, error: str) -> None:
+    _failed(ctx, attempt, FailureKind.INFRA, error)
     slot = aimed_slot(ctx, attempt)
     if slot is None:
         return
@@ -401,10 +410,7 @@ def lost_in_queue(ctx: RunContext, attempt: AttemptRow, error: str) -> None:
     """A dispatched attempt no worker ever took: its message was lost (a flushed or restarted
     broker). That says nothing about the prompt, so the prompt is sent again without spending
     its retries; a fleet with no worker at all keeps the run waiting rather than failing it."""
-    attempt.state = AttemptState.FAILED.value
-    attempt.failure_kind = FailureKind.INFRA.value
-    attempt.error = error[:4000]
-    attempt.finished_at = attempt.finished_at or ctx.now
+    _failed(ctx, attempt, FailureKind.INFRA, error)
     slot = aimed_slot(ctx, attempt)
     if slot is None:
         return  # an extra: over-dispatch sends another if the step still needs it
@@ -414,10 +420,7 @@ def lost_in_queue(ctx: RunContext, attempt: AttemptRow, error: str) -> None:
 def data_failure(ctx: RunContext, attempt: AttemptRow, error: str) -> None:
     """The prompt's output is unusable; retrying the same prompt would fail the same way, so
     the prompt is dropped at once and the slot follows `on_dropped_prompt`."""
-    attempt.state = AttemptState.FAILED.value
-    attempt.failure_kind = FailureKind.DATA.value
-    attempt.error = error[:4000]
-    attempt.finished_at = attempt.finished_at or ctx.now
+    _failed(ctx, attempt, FailureKind.DATA, error)
     slot = aimed_slot(ctx, attempt)
     if slot is None:
         return
