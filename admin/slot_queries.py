@@ -90,20 +90,27 @@ def slot_rows(
                 "live_started_at": attempt.started_at if attempt else None,
                 "live_leased_until": attempt.leased_until if attempt else None,
                 "attempts": slot.attempts,
-                "filtered": slot.filtered,
-                "filter_replacements": slot.filter_replacements,
-                "filter_budget": slot.filter_budget,
-                "infra_failures": slot.infra_failures,
-                "data_failures": slot.data_failures,
-                "drops": slot.drops,
-                "drop_replacements": slot.drop_replacements,
-                "drop_budget": slot.drop_budget,
-                "borrowed_in": slot.borrowed_in,
-                "lent_out": slot.lent_out,
+                **_budget_counters(slot),
                 "settled_at": slot.settled_at,
             }
         )
     return out
+
+
+def _budget_counters(slot: Slot) -> dict[str, Any]:
+    """A slot's counters and budgets, as `refill slots` and `refill slot` both show them."""
+    return {
+        "filtered": slot.filtered,
+        "filter_replacements": slot.filter_replacements,
+        "filter_budget": slot.filter_budget,
+        "infra_failures": slot.infra_failures,
+        "data_failures": slot.data_failures,
+        "drops": slot.drops,
+        "drop_replacements": slot.drop_replacements,
+        "drop_budget": slot.drop_budget,
+        "borrowed_in": slot.borrowed_in,
+        "lent_out": slot.lent_out,
+    }
 
 
 def _relation(attempt: Attempt, step: int, idx: int, holder: int | None) -> str:
@@ -218,16 +225,7 @@ def slot_history(session: Session, run_id: int, step: int, idx: int) -> dict[str
         "group_weight_version": groups[holder].weight_version if holder in groups else None,
         "group_source": source,
         "borrowed": source is not None,
-        "filtered": slot.filtered,
-        "filter_replacements": slot.filter_replacements,
-        "filter_budget": slot.filter_budget,
-        "infra_failures": slot.infra_failures,
-        "data_failures": slot.data_failures,
-        "drops": slot.drops,
-        "drop_replacements": slot.drop_replacements,
-        "drop_budget": slot.drop_budget,
-        "borrowed_in": slot.borrowed_in,
-        "lent_out": slot.lent_out,
+        **_budget_counters(slot),
         "dispatched": slot.attempts,
         "settled_at": slot.settled_at,
         "attempts": rows,
