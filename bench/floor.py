@@ -10,27 +10,31 @@ write with nothing to say is the controller's cost, not the floor's.
 
 `replay` writes those changes into a scratch database with the same schema (the same
 migrations, so the same indexes and constraints), one transaction for each of the step's, in
-the step's order: deletes, then per table (parents first) its new rows in one statement, as
-the ledger inserts them (`refill.models.sql.insert_rows`: a COPY), then per table
-and set of changed columns one `UPDATE ... FROM unnest(...)` with one array parameter per
-column. The setup, the workers'
-lease handshakes and the trainer's claim are replayed too (so every row is as the step found
-it), timed under their own names; only admission, relay and record are the floor.
+the step's order: deletes, then per table (parents first) its new rows in one statement, then
+per table and set of changed columns one `UPDATE ... FROM unnest(...)` with one array parameter
+per column, the transaction's UPDATEs sent together. Rows go in and change as the ledger writes
+them (`refill.models.sql.insert_rows`: a COPY; `refill.models.rows.unnest_update`, the arrays
+spelled as text, sent by `refill.models.sql.execute_pipelined`): the floor is what writing the
+rows costs, so it writes them no slower than the ledger does (until stop 37 its UPDATEs went one
+round trip each, their arrays spelled by psycopg element by element, about a fifth of the floor).
+The setup, the workers' lease handshakes and the trainer's claim are replayed too (so every row
+is as the step found it), timed under their own names; only admission, relay and record are the
+floor.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import JSON, Engine, Table, bindparam, delete, func, null, select, text, tuple_
+from sqlalchemy import JSON, Engine, Table, delete, func, null, select, text, tuple_
 
 from bench.machine import process_cpu
-from refill.models.sql import insert_rows
+from refill.models.rows import unnest_update
+from refill.models.sql import execute_pipelined, insert_rows
 
 
 @dataclass
@@ -195,10 +199,18 @@ def _write(conn: Any, tables: list[Table], change: Change) -> int:
         if rows:
             insert_rows(conn, table, _json_nulls(table, rows))
             statements += 1
-    for table in tables:
-        for columns, rows in sorted(change.updates.get(table.name, {}).items()):
-            _update(conn, table, list(columns), rows)
-            statements += 1
+    updates = [
+        (table, list(columns), rows)
+        for table in tables
+        for columns, rows in sorted(change.updates.get(table.name, {}).items())
+    ]
+    if updates:
+        dialect = conn.dialect
+        counts = execute_pipelined(conn, [unnest_update(dialect, table, columns, _json_nulls(table, rows)) for table, columns, rows in updates])
+        for (table, _, rows), count in zip(updates, counts, strict=True):
+            if count != len(rows):
+                raise RuntimeError(f"floor: update of {table.name} matched {count} of {len(rows)} rows")
+        statements += len(updates)
     return statements
 
 
@@ -208,37 +220,6 @@ def _json_nulls(table: Table, rows: list[dict[str, Any]]) -> list[dict[str, Any]
     if not columns:
         return rows
     return [{**row, **{c: null() for c in columns if row.get(c) is None}} for row in rows]
-
-
-def _update(conn: Any, table: Table, columns: list[str], rows: list[dict[str, Any]]) -> None:
-    """One `UPDATE ... FROM unnest(...)` of these rows' `columns`, one array per column."""
-    dialect = conn.dialect
-    names = [c.name for c in table.primary_key.columns] + columns
-    arrays: dict[str, list[Any]] = {}
-    casts = []
-    for i, name in enumerate(names):
-        column = table.c[name]
-        values = [row[name] for row in rows]
-        if isinstance(column.type, JSON):
-            values = [None if value is None else json.dumps(value) for value in values]
-        else:
-            process = column.type._cached_bind_processor(dialect)
-            if process is not None:
-                values = [process(value) for value in values]
-        arrays[f"a{i}"] = values
-        casts.append(f"CAST(:a{i} AS {column.type.compile(dialect)}[])")
-    keys = len(table.primary_key.columns)
-    assignments = ", ".join(f"{name} = v.{name}" for name in names[keys:])
-    match = " AND ".join(f"t.{name} = v.{name}" for name in names[:keys])
-    statement = text(
-        f"UPDATE {table.name} AS t SET {assignments} "
-        f"FROM unnest({', '.join(casts)}) AS v({', '.join(names)}) WHERE {match}"
-    ).bindparams(*(bindparam(name) for name in arrays))
-    result = conn.execute(statement, arrays)
-    if result.rowcount != len(rows):
-        raise RuntimeError(
-            f"floor: update of {table.name} matched {result.rowcount} of {len(rows)} rows"
-        )
 
 
 def describe(rows: dict[str, dict[str, int]]) -> str:

@@ -403,7 +403,8 @@ class RowStore:
         counts: list[int]
         if self.postgres:
             dialect = self.session.get_bind().dialect
-            counts = sql.execute_pipelined(self.session, [_unnest_update(dialect, *update) for update in updates])
+            statements = [unnest_update(dialect, table, keys, [row.__dict__ for row in rows]) for table, keys, rows in updates]
+            counts = sql.execute_pipelined(self.session, statements)
         else:
             counts = []
             for table, keys, rows in updates:
@@ -484,24 +485,25 @@ def _row_update(table: Table, primary: tuple[str, ...], keys: tuple[str, ...]) -
     )
 
 
-def _unnest_update(dialect: Any, table: Table, keys: list[str], rows: list[Row]) -> tuple[str, dict[str, Any]]:
-    """`UPDATE table AS t SET c = v.c ... FROM unnest(...) AS v(...) WHERE t.pk = v.pk`, one
-    array parameter per column (a statement psycopg prepares once, whatever the row count),
-    as psycopg takes it, with its values."""
+def unnest_update(dialect: Any, table: Table, keys: Sequence[str], rows: Sequence[Mapping[str, Any]]) -> tuple[str, dict[str, Any]]:
+    """`UPDATE table AS t SET c = v.c ... FROM unnest(...) AS v(...) WHERE t.pk = v.pk` of
+    `rows` (the primary key and `keys` of each), one array parameter per column (a statement
+    psycopg prepares once, whatever the row count), as psycopg takes it (`sql.execute_pipelined`),
+    with its values. `bench overhead`'s floor writes its updates with it too."""
     primary = tuple(column.key for column in table.primary_key.columns)
     arrays: dict[str, Any] = {}
     for i, name in enumerate(primary):
-        arrays[f"k{i}"] = sql.array_text(sql.driver_values(dialect, table.c[name], [row.__dict__[name] for row in rows]))
+        arrays[f"k{i}"] = sql.array_text(sql.driver_values(dialect, table.c[name], [row[name] for row in rows]))
     for i, key in enumerate(keys):
         # As a per-row update writes each value: a JSON None is JSON null, an int in a float
         # column a float (psycopg refuses an array of mixed types).
-        arrays[f"c{i}"] = sql.array_text(sql.driver_values(dialect, table.c[key], [row.__dict__[key] for row in rows]))
+        arrays[f"c{i}"] = sql.array_text(sql.driver_values(dialect, table.c[key], [row[key] for row in rows]))
     return _unnest_statement(dialect, table, primary, tuple(keys)), arrays
 
 
 @lru_cache(maxsize=512)
 def _unnest_statement(dialect: Any, table: Table, primary: tuple[str, ...], keys: tuple[str, ...]) -> str:
-    """The SQL of `_unnest_update`, built once per table and set of columns."""
+    """The SQL of `unnest_update`, built once per table and set of columns."""
     casts = [f"CAST(%(k{i})s AS {table.c[name].type.compile(dialect)}[])" for i, name in enumerate(primary)]
     casts += [f"CAST(%(c{i})s AS {table.c[key].type.compile(dialect)}[])" for i, key in enumerate(keys)]
     assignments = ", ".join(f"{key} = v.{key}" for key in keys)
