@@ -232,8 +232,10 @@ def displaceable(ctx: RunContext, candidates: Sequence[SlotView]) -> list[SlotVi
     """
     if not candidates:
         return []
-    tail: dict[int, bool] = {}
     old = _running_with_old_weights(ctx)
+    if not old:
+        return list(candidates)  # no attempt generates with weights too old: nothing blocks
+    tail: dict[int, bool] = {}
     blocked: set[tuple[int, int]] = set()
     for view in candidates:
         key = (view.step, view.idx)
