@@ -41,6 +41,7 @@ from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.orm import Session
 from sqlalchemy.sql import ColumnElement, Select
 from sqlalchemy.sql.elements import Null
+from sqlalchemy.sql.selectable import ScalarSelect
 from sqlalchemy.sql.visitors import InternalTraversal
 from sqlalchemy.types import TypeDecorator
 
@@ -320,13 +321,18 @@ def batch_places_elsewhere() -> ColumnElement[bool]:
     parameters) is an extra, or serves a step later than the run's first open one (whose
     groups may fill slots of the earlier step waiting on a replacement). Where neither holds,
     the batch never looks at the slots waiting (`RunContext.read_ahead`)."""
-    first_open = (
+    return exists().where(*_batch_attempts(), or_(_attempts.c.slot_idx.is_(None), _attempts.c.step > _first_open_step()))
+
+
+def _first_open_step() -> ScalarSelect[Any]:
+    """The run's (`run_id`) first open step, as a scalar subquery. 'Not trained' as well: the
+    partial index of the unfinished steps, not the primary key, which walks the run's history
+    of trained steps."""
+    return (
         select(func.min(_steps.c.step))
-        # 'not trained' as well: the partial index of the unfinished steps, not the run's history.
         .where(_steps.c.run_id == bindparam("run_id"), _steps.c.status != literal(_STEP_TRAINED), _steps.c.status == _STEP_OPEN)
         .scalar_subquery()
     )
-    return exists().where(*_batch_attempts(), or_(_attempts.c.slot_idx.is_(None), _attempts.c.step > first_open))
 
 
 @cache
@@ -373,9 +379,7 @@ def spares(run_id: int, after_id: int, limit: int) -> Query:
 @cache
 def _lendable() -> tuple[Select[Any], Select[Any]]:
     run_id = bindparam("run_id")
-    earliest_open = (
-        select(func.min(_steps.c.step)).where(_steps.c.run_id == run_id, _steps.c.status == _STEP_OPEN).scalar_subquery()
-    )
+    earliest_open = _first_open_step()
     committed = (
         select(*SLOT_COLUMNS, _groups.c.weight_version.label("lender_version"))
         .join(_groups, _groups.c.attempt_id == _slots.c.group_attempt_id)
