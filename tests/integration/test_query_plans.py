@@ -163,34 +163,3 @@ def test_a_batchs_first_read_ahead_under_a_generic_plan_reads_about_its_own_rows
         assert rows == 1
         assert buffers < bound, f"the first read-ahead touched {buffers} buffers (statistics: {when} 60,000 rows): {plans.last_scans[:6]}"
 
-
-@pytest.mark.parametrize("read", ["committed", "parked"])
-def test_the_lenders_read_under_a_generic_plan_does_not_walk_a_long_runs_trained_steps(pg_ledger, read) -> None:  # type: ignore[no-untyped-def]
-    """The lenders' reads (`sql.lendable`: slots holding a group, parked groups) start from the
-    run's first open step, which they find through the partial index of its unfinished steps
-    under the plan PostgreSQL makes once for any values too (a bound 'open' proves nothing about
-    a partial index; the primary key would walk every step the run has trained): a run 5,000
-    steps in costs them about what a new one does."""
-    from sqlalchemy import event
-
-    d = Driver(pg_ledger, {"grpo": {"num_prompts_per_step": 8}, "async_rl": {"max_lookahead_versions": 1}}, num_prompts=80)
-    d.admit()
-    seen: list[tuple[str, dict]] = []  # type: ignore[type-arg]
-
-    def record(conn, cursor, statement, parameters, context, executemany):  # type: ignore[no-untyped-def]
-        seen.append((statement, parameters))
-
-    committed, parked = sql.lendable(d.run_id, 1, 64)
-    event.listen(pg_ledger.engine, "before_cursor_execute", record)
-    try:
-        d.query(lambda session: session.execute(*(committed if read == "committed" else parked)).all())
-    finally:
-        event.remove(pg_ledger.engine, "before_cursor_execute", record)
-    statement, parameters = seen[-1]
-    history = (
-        "INSERT INTO steps (run_id, step, status, num_slots, committed, shrunk, dropped_shrunk, admitted_at, train_claims) "
-        f"SELECT {d.run_id}, -g, 'trained', 1, 1, 0, 0, now(), 1 FROM generate_series(1, 5000) g"
-    )
-    _, new_run = run_explained_generic(pg_ledger, statement, parameters)
-    _, long_run = run_explained_generic(pg_ledger, statement, parameters, before=history)
-    assert long_run < new_run + 20, (new_run, long_run, plans.last_scans)
