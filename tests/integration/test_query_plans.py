@@ -163,3 +163,60 @@ def test_a_batchs_first_read_ahead_under_a_generic_plan_reads_about_its_own_rows
         assert rows == 1
         assert buffers < bound, f"the first read-ahead touched {buffers} buffers (statistics: {when} 60,000 rows): {plans.last_scans[:6]}"
 
+
+def test_a_batchs_first_read_ahead_on_a_run_5000_steps_in_costs_what_it_does_on_a_new_one(pg_ledger) -> None:  # type: ignore[no-untyped-def]
+    """The first read of a batch that holds an extra's result finds the run's open steps four
+    times (its first open step, and beside the slots it reads: lenders, slots waiting, open
+    slots) under the plan PostgreSQL makes once for any values. Through the partial index of
+    the unfinished steps (`sql._step_is_open`) that costs about the same however long the run:
+    on a run 5,000 steps in (each with four committed slots and their groups, one of them parked
+    for good), it touches at most 40 buffers more than on a new run (58 against 40 when written;
+    with 'open' a bound parameter, the primary key walked the trained steps: 133).
+
+    The statistics are the test's own, taken after the history as autovacuum would (the tables
+    hold only this test's rows, each under 30,000, so ANALYZE reads them whole). Statistics
+    from before the history (a small run) are not asserted: with them the planner takes every
+    table for a few pages, and no spelling of these reads keeps it off the primary keys (about
+    600 buffers); a run that grows is analyzed again by autovacuum."""
+    from sqlalchemy import event
+
+    d = Driver(pg_ledger, {"grpo": {"num_prompts_per_step": 64}, "async_rl": {"over_dispatch": {"enabled": True}, "max_lookahead_versions": 1}}, num_prompts=512)
+    d.admit()
+    d.start_all([a.id for a in d.live()])
+    batch = [d.result(a.id, [0.0, 1.0, 1.0, 0.0] if i % 3 else [1.0] * 4) for i, a in enumerate(d.live(0)[:4])]
+    batch[-1] = d.result(next(a for a in d.live() if a.slot_idx is None).id, [0.0, 1.0, 1.0, 0.0])
+    reads: list[tuple[str, dict]] = []  # type: ignore[type-arg]
+
+    def record(conn, cursor, statement, parameters, context, executemany):  # type: ignore[no-untyped-def]
+        if statement.startswith("SELECT (SELECT coalesce(json_agg") and "attempt_ids" in str(parameters):
+            reads.append((statement, parameters))
+
+    event.listen(pg_ledger.engine, "before_cursor_execute", record)
+    try:
+        d.record(*batch)
+    finally:
+        event.remove(pg_ledger.engine, "before_cursor_execute", record)
+    statement, parameters = reads[0]
+    assert "lenders_limit" in parameters and "open_limit" in parameters
+    run, first = d.run_id, f"(SELECT min(id) FROM prompts WHERE run_id = {d.run_id})"
+    # Made up (and rolled back): steps -1 to -5000, trained, four committed slots each, their
+    # groups (the first of each step parked, too stale ever to lend). Foreign keys to attempts
+    # are not checked for the transaction: the history has no attempts.
+    history = (
+        "SET LOCAL session_replication_role = replica;"
+        "INSERT INTO steps (run_id, step, status, num_slots, committed, shrunk, dropped_shrunk, admitted_at, train_claims) "
+        f"SELECT {run}, -g, 'trained', 4, 4, 0, 0, now(), 1 FROM generate_series(1, 5000) g;"
+        "INSERT INTO slots (run_id, step, idx, status, prompt_id, group_attempt_id, needs_replacement, filtered, filter_replacements,"
+        " filter_budget, infra_failures, data_failures, drops, drop_replacements, drop_budget, borrowed_in, lent_out, attempts) "
+        f"SELECT {run}, -g, i, 'committed', {first}, 10000000 + 4 * g + i, false, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0, 1 "
+        "FROM generate_series(1, 5000) g, generate_series(0, 3) i;"
+        "INSERT INTO groups (attempt_id, run_id, prompt_id, origin_step, weight_version, rewards, reward_mean, zero_variance, rollout,"
+        " completion_texts, num_tokens, committed_at, parked, moves, trained_step) "
+        f"SELECT 10000000 + 4 * g + i, {run}, {first}, -g, -g, '[0, 1]', 0.5, false, '\\x00', '[]', 8, now(), i = 0, 0, "
+        "CASE WHEN i = 0 THEN NULL ELSE -g END FROM generate_series(1, 5000) g, generate_series(0, 3) i;"
+    )
+    analyze = "ANALYZE runs, steps, slots, attempts, groups, spare_prompts;"
+    new_rows, new_run = run_explained_generic(pg_ledger, statement, parameters, before=analyze)
+    rows, long_run = run_explained_generic(pg_ledger, statement, parameters, before=history + analyze)
+    assert new_rows == rows == 1
+    assert long_run <= new_run + 40, f"5,000 steps in: {long_run} buffers against {new_run} on a new run: {plans.last_scans[:6]}"
