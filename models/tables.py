@@ -321,6 +321,11 @@ class Attempt(Base):
             postgresql_where=text("state IN ('pending', 'queued', 'running')"),
             sqlite_where=text("state IN ('pending', 'queued', 'running')"),
         ),
+        # Attempts by the slot they were dispatched for: a step's release reads the first
+        # generation of each slot's own prompt (`first_attempt_reward`), which may have moved
+        # to another slot or step since; without it that read scanned every attempt the run ever
+        # made (2,100 buffers 3,000 steps in, under the run's lock: migration 0013).
+        Index(None, "run_id", "origin_step", "origin_slot"),
         # Scored attempts by prompt: the history pre-rollout skipping reads.
         Index("ix_attempts_scored_prompt", "run_id", "prompt_id", postgresql_where=text(_SCORED), sqlite_where=text(_SCORED)),
         # Extras not started yet: the ones over-dispatch re-aims when their step settles, looked
