@@ -89,6 +89,7 @@ def _draw_skipping(ctx: RunContext, count: int, step: int | None) -> list[int]:
     if step is None:
         step = _spare_pool_step(ctx)
     rates = skipping.exploration_rates(run, skip)
+    longest = decisions.saturating_streak(rates.values(), skip.min_exploration)
     kept: list[int] = []
     rows: list[dict] = []  # type: ignore[type-arg]
     while len(kept) < count and not run.loader_exhausted:
@@ -96,7 +97,7 @@ def _draw_skipping(ctx: RunContext, count: int, step: int | None) -> list[int]:
         order = epoch_order(run.num_prompts, settings.seed, epoch, settings.shuffle)
         uniforms = skipping.epoch_uniforms(run.num_prompts, settings.seed, epoch)
         prompt_ids = _prompt_ids(ctx, order[start : start + max(SKIP_WINDOW, 2 * (count - len(kept)))])
-        history = skipping.streaks(ctx.session, run.id, prompt_ids)
+        history = skipping.streaks(ctx.session, run.id, prompt_ids, longest)
         used = 0
         for offset, prompt_id in enumerate(prompt_ids):
             kind, streak = history.get(prompt_id, (None, 0))

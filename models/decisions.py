@@ -382,6 +382,25 @@ def skip_probability(streak: int, exploration_rate: float, min_exploration: floa
     return 1.0 - max(exploration_rate**streak, min_exploration)
 
 
+def saturating_streak(exploration_rates: Iterable[float], min_exploration: float) -> int | None:
+    """The shortest streak whose skip probability has reached its ceiling, `1 -
+    min_exploration`, under each of these rates: a longer streak skips with the same
+    probability, so a prompt's history need be read no further back. None when a rate is 1 (its
+    probability never moves: the whole streak counts)."""
+    longest = 1
+    for rate in exploration_rates:
+        if rate >= 1:
+            return None
+        k = max(1, math.ceil(math.log(min_exploration) / math.log(rate)))
+        # Exactly as `skip_probability` computes it (a logarithm can land a step either side).
+        while k > 1 and rate ** (k - 1) <= min_exploration:
+            k -= 1
+        while rate**k > min_exploration:
+            k += 1
+        longest = max(longest, k)
+    return longest
+
+
 def skipped(uniform: float, probability: float) -> bool:
     """The draw: `uniform` is the prompt's seeded uniform in [0, 1) for this epoch."""
     return uniform < probability

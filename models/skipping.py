@@ -23,7 +23,7 @@ from functools import lru_cache
 from typing import Any
 
 import numpy as np
-from sqlalchemy import select
+from sqlalchemy import Integer, column, select, true, values
 from sqlalchemy.orm import Session
 
 from refill.config import RunConfig, from_snapshot
@@ -100,20 +100,47 @@ def epoch_uniforms(num_prompts: int, seed: int, epoch: int) -> tuple[float, ...]
     return tuple(float(u) for u in rng.random(num_prompts))
 
 
-def streaks(session: Session, run_id: int, prompt_ids: Iterable[int]) -> dict[int, tuple[GroupKind | None, int]]:
+def streaks(
+    session: Session, run_id: int, prompt_ids: Iterable[int], longest: int | None = None
+) -> dict[int, tuple[GroupKind | None, int]]:
     """Each prompt's zero-variance streak (`decisions.zero_variance_streak`) from its scored
-    attempts as stored; prompts with no scored attempt are left out (no streak)."""
+    attempts as stored, counted up to `longest` (`decisions.saturating_streak`: a longer one
+    skips with the same probability); prompts with no scored attempt are left out (no streak).
+
+    On PostgreSQL each prompt's newest `longest` scored attempts are read, walked back through
+    the index of scored attempts by prompt and id: a prompt's whole history grows with every
+    epoch (a run 1,000 steps of 16 prompts over 48 prompts read 2,100 buffers a draw). SQLite
+    reads the whole history and counts the same way."""
     ids = sorted(set(prompt_ids))
     if not ids:
         return {}
-    rows = session.execute(
-        select(Attempt.prompt_id, Attempt.zero_variance, Attempt.reward_mean)
-        .where(Attempt.run_id == run_id, literal_in(Attempt.prompt_id, ids), Attempt.zero_variance.is_not(None))
-        .order_by(Attempt.prompt_id, Attempt.id.desc())
-    ).all()
+    attempts = Attempt.__table__
+    scored = (attempts.c.run_id == run_id, attempts.c.zero_variance.is_not(None))
+    if longest is not None and session.get_bind().dialect.name == "postgresql":
+        prompts = values(column("prompt_id", Integer), name="prompt", literal_binds=True).data([(i,) for i in ids])
+        newest = (
+            select(attempts.c.id, attempts.c.zero_variance, attempts.c.reward_mean)
+            .where(*scored, attempts.c.prompt_id == prompts.c.prompt_id)
+            .order_by(attempts.c.id.desc())
+            .limit(longest)
+            .lateral("newest")
+        )
+        statement = (
+            select(prompts.c.prompt_id, newest.c.zero_variance, newest.c.reward_mean)
+            .select_from(prompts.join(newest, true()))
+            .order_by(prompts.c.prompt_id, newest.c.id.desc())
+        )
+    else:
+        statement = (
+            select(attempts.c.prompt_id, attempts.c.zero_variance, attempts.c.reward_mean)
+            .where(*scored, literal_in(attempts.c.prompt_id, ids))
+            .order_by(attempts.c.prompt_id, attempts.c.id.desc())
+        )
     kinds: dict[int, list[GroupKind]] = {}
-    for prompt_id, zero_variance, reward_mean in rows:
-        kinds.setdefault(prompt_id, []).append(decisions.group_kind(bool(zero_variance), float(reward_mean or 0.0)))
+    for prompt_id, zero_variance, reward_mean in session.execute(statement):
+        newest_first = kinds.setdefault(prompt_id, [])
+        if longest is None or len(newest_first) < longest:
+            newest_first.append(decisions.group_kind(bool(zero_variance), float(reward_mean or 0.0)))
     return {prompt_id: decisions.zero_variance_streak(each) for prompt_id, each in kinds.items()}
 
 

@@ -321,13 +321,11 @@ class Attempt(Base):
             postgresql_where=text("state IN ('pending', 'queued', 'running')"),
             sqlite_where=text("state IN ('pending', 'queued', 'running')"),
         ),
-        # Attempts by the slot they were dispatched for: a step's release reads the first
-        # generation of each slot's own prompt (`first_attempt_reward`), which may have moved
-        # to another slot or step since; without it that read scanned every attempt the run ever
-        # made (2,100 buffers 3,000 steps in, under the run's lock: migration 0013).
+        # By the slot dispatched for: a release reads each slot's first attempt, wherever it
+        # moved (else every attempt of the run, under its lock: migration 0013).
         Index(None, "run_id", "origin_step", "origin_slot"),
-        # Scored attempts by prompt: the history pre-rollout skipping reads.
-        Index("ix_attempts_scored_prompt", "run_id", "prompt_id", postgresql_where=text(_SCORED), sqlite_where=text(_SCORED)),
+        # Scored attempts by prompt, newest last: skipping reads a prompt's newest few (0014).
+        Index("ix_attempts_scored_prompt", "run_id", "prompt_id", "id", postgresql_where=text(_SCORED), sqlite_where=text(_SCORED)),
         # Extras not started yet: the ones over-dispatch re-aims when their step settles, looked
         # for on every batch; a handful at any time, among every extra the run ever made.
         Index(
@@ -482,7 +480,7 @@ class PromptDraw(Base):
     step: Mapped[int] = mapped_column(Integer)  # admitted, or the spare pool's earliest open
     skipped: Mapped[bool] = mapped_column(Boolean)
     streak_kind: Mapped[str | None] = mapped_column(String(8))
-    streak: Mapped[int] = mapped_column(Integer)
+    streak: Mapped[int] = mapped_column(Integer)  # up to `decisions.saturating_streak`
     exploration: Mapped[float | None] = mapped_column(Float)
     probability: Mapped[float] = mapped_column(Float)
     uniform: Mapped[float] = mapped_column(Float)

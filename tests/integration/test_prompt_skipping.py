@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
-from refill.models import admission, decisions
+from refill.models import admission, decisions, skipping
 from refill.models.results import Outcome
 from refill.models.tables import Attempt, Prompt, PromptDraw
 from tests.support.driver import Driver
@@ -159,6 +159,33 @@ def test_every_prompt_keeps_a_chance(ledger) -> None:  # type: ignore[no-untyped
         if not r["skipped"] and any(o["skipped"] and o["prompt"] == r["prompt"] and o["epoch"] < r["epoch"] for o in rows)
     }
     assert len(retried) >= 4, rows
+
+
+def test_a_streak_is_counted_as_far_back_as_its_skip_probability_moves(ledger) -> None:  # type: ignore[no-untyped-def]
+    """A prompt's history is read back only to the streak whose skip probability has reached
+    its ceiling (0.7 ** 3 is under min_exploration 0.4: three), since a longer one skips the
+    same. On both ledgers (PostgreSQL reads each prompt's newest three groups, SQLite all of
+    them), each prompt's streak read so is its whole streak cut at three; the loader records
+    no streak above three, and the ceiling's probability, 0.6, for the always-solved prompts
+    seen that often."""
+    rates = {"exploration_rate": 0.7, "min_exploration": 0.4, "exploration_rate_step": 0.0}
+    d = Driver(
+        ledger,
+        {"grpo": {**EPOCHS["grpo"], "max_num_steps": 200, "max_num_epochs": 10}, "data": {"prompt_skipping": {"enabled": True, **rates}}},
+        num_prompts=16,
+    )
+    play(d, solved_if_even)
+    assert decisions.saturating_streak([0.7, 0.7], 0.4) == 3
+    with d.ledger.session() as s:
+        prompt_ids = list(s.scalars(select(Prompt.id).where(Prompt.run_id == d.run_id)))
+        whole = skipping.streaks(s, d.run_id, prompt_ids)
+        read_back = skipping.streaks(s, d.run_id, prompt_ids, 3)
+    assert read_back == {prompt: (kind, min(k, 3)) for prompt, (kind, k) in whole.items()}
+    assert sum(k > 3 for _, k in whole.values()) >= 4, whole  # the cut was exercised
+    rows = draws(d)
+    assert max(r["streak"] for r in rows) == 3
+    assert all(r["probability"] == pytest.approx(1 - max(0.7 ** r["streak"], 0.4)) for r in rows if r["streak"])
+    assert sum(r["probability"] == pytest.approx(0.6) for r in rows) >= 4
 
 
 def test_skipping_survives_a_controller_crash_and_resume(ledger, monkeypatch) -> None:  # type: ignore[no-untyped-def]

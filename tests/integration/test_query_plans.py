@@ -256,3 +256,54 @@ def test_a_steps_release_finds_its_slots_first_attempts_by_origin_not_among_ever
     rows, buffers = run_explained_generic(pg_ledger, statement, parameters, before=history)
     assert rows == 1
     assert buffers < 150, f"the first attempts' reward read {buffers} buffers beside 20,000 other attempts: {plans.last_scans[:4]}"
+
+
+def test_the_loaders_streak_read_walks_back_only_as_far_as_it_needs(pg_ledger) -> None:  # type: ignore[no-untyped-def]
+    """Pre-rollout skipping reads each prompt's newest scored groups, as many as the streak
+    whose skip probability has reached its ceiling (`decisions.saturating_streak`), backward
+    through the index of scored attempts by prompt and id. Beside 10,000 older scored attempts
+    of the 8 prompts it reads and 10,000 newer ones of other prompts (a long multi-epoch run;
+    statistics taken after them), it touches about what three rows a prompt take: neither the
+    prompts' whole history (the index by prompt alone) nor every newer attempt (the primary
+    key walked back)."""
+    from sqlalchemy import event
+
+    from refill.models import skipping
+    from refill.models.tables import Prompt
+
+    d = Driver(pg_ledger, {"grpo": {"num_prompts_per_step": 8}}, num_prompts=16)
+    d.admit()
+    d.fill_step(0)
+    with pg_ledger.session() as session:
+        prompt_ids = sorted(session.scalars(select(Prompt.id).where(Prompt.run_id == d.run_id)))
+    read, other = prompt_ids[:8], prompt_ids[8:]
+    seen: list[tuple[str, dict]] = []  # type: ignore[type-arg]
+
+    def record(conn, cursor, statement, parameters, context, executemany):  # type: ignore[no-untyped-def]
+        seen.append((statement, parameters))
+
+    event.listen(pg_ledger.engine, "before_cursor_execute", record)
+    try:
+        with pg_ledger.session() as session:
+            found = skipping.streaks(session, d.run_id, read, 3)
+    finally:
+        event.remove(pg_ledger.engine, "before_cursor_execute", record)
+    assert sorted(found) == read
+    [(statement, parameters)] = [(s, p) for s, p in seen if "LATERAL" in s]
+
+    def copies(ids: str, prompts: list[int]) -> str:
+        return (
+            f"INSERT INTO attempts SELECT r.* FROM (SELECT * FROM attempts WHERE run_id = {d.run_id} AND zero_variance IS NOT NULL LIMIT 1) t, "
+            "generate_series(1, 10000) g, LATERAL jsonb_populate_record(NULL::attempts, to_jsonb(t) || jsonb_build_object("
+            f"'id', {ids}, 'prompt_id', (ARRAY{prompts})[1 + g % {len(prompts)}])) r;"
+        )
+
+    history = (  # made up and rolled back: older attempts of the prompts read, newer ones of the others
+        "SET LOCAL session_replication_role = replica;"
+        + copies("-g", read)
+        + copies("1000000 + g", other)
+        + "ANALYZE attempts;"
+    )
+    rows, buffers = run_explained_generic(pg_ledger, statement, parameters, before=history)
+    assert rows == 8 * 3
+    assert buffers < 150, f"the streak read touched {buffers} buffers beside 20,000 other attempts: {plans.last_scans[:4]}"

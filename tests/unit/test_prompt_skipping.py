@@ -55,6 +55,25 @@ def test_skip_probability_grows_with_the_streak_and_keeps_every_prompt_a_chance(
     assert decisions.skipped(0.2, 0.5) and not decisions.skipped(0.5, 0.5)
 
 
+@pytest.mark.parametrize("min_exploration", [0.01, 0.2, 0.25, 0.3, 1.0])
+def test_the_saturating_streak_is_the_shortest_whose_probability_no_longer_moves(min_exploration) -> None:
+    """A longer streak skips with the same probability under every rate given (0.5 ** 2 is
+    exactly 0.25: the boundary counts as reached), and a shorter one does not under some rate."""
+    rates = (0.5, 0.05, 0.95)
+    k = decisions.saturating_streak(rates, min_exploration)
+    assert k is not None and k >= 1
+    for rate in rates:
+        ceiling = decisions.skip_probability(k, rate, min_exploration)
+        assert all(decisions.skip_probability(k + j, rate, min_exploration) == ceiling for j in range(1, 400))
+    if k > 1:
+        assert any(
+            decisions.skip_probability(k - 1, rate, min_exploration) != decisions.skip_probability(k, rate, min_exploration)
+            for rate in rates
+        )
+    assert decisions.saturating_streak([0.5], 0.25) == 2
+    assert decisions.saturating_streak([0.5, 1.0], 0.01) is None  # a rate of 1: no streak saturates
+
+
 def test_adapted_exploration_rate_follows_greso() -> None:
     assert decisions.adapted_exploration_rate(0.5, 0.3, 0.25, 0.01, 0.05, 0.95) == pytest.approx(0.49)
     assert decisions.adapted_exploration_rate(0.5, 0.25, 0.25, 0.01, 0.05, 0.95) == pytest.approx(0.49)
