@@ -1,0 +1,198 @@
+"""No statement of a step's cycle grows with the length of the run.
+
+A run plays a few steps (admission, the relay, leases, results with filtered and borrowed
+groups, over-dispatch, pre-rollout skipping across epochs, release, the trainer's claim and
+its end); its rows are then copied as the history of a long run, under steps and ids of their
+own, and two more steps are played beside 300 copies and again beside 1,000. PostgreSQL's
+`auto_explain` reports every statement the ledger runs with the buffers it touched: a read that
+walks the run's history touches about three times more beside 1,000 copies than beside 300,
+one served by its indexes about the same (an index one level deeper at most). Two such reads
+were found so (a step's release scanning every attempt for its first attempts; the loader
+reading every scored attempt of each prompt), and one plan that walked the trained steps
+(`sql._step_is_open`); this keeps the rest honest.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+from sqlalchemy import event, select, text
+
+from refill.models.db import Ledger
+from refill.models.tables import Attempt, AttemptState, Step, StepStatus
+from tests.support.driver import FLAT, SPREAD, Driver
+
+CONFIG = {
+    "grpo": {"num_prompts_per_step": 16, "max_num_steps": 40, "max_num_epochs": 100, "dynamic_sampling_max_replacements_per_slot": 16},
+    "data": {"prompt_skipping": {"enabled": True}},
+    "async_rl": {"over_dispatch": {"enabled": True}, "max_lookahead_versions": 1},
+}
+#: Steps played before the history is copied: the copies' template.
+TEMPLATE_STEPS = 3
+#: Buffers a statement may touch beside the long history, against the short one: its own rows
+#: reached through indexes one level deeper (a batch's few dozen rows by key), not its history.
+GROWTH, SLACK = 1.5, 40
+
+
+class Recorder:
+    """The statements `auto_explain` reports on the ledger's connections (as its NOTICE), with
+    the shared buffers each touched, while `on`."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+        self.on = False
+        self.buffers: dict[str, list[int]] = defaultdict(list)
+
+    def _connect(self, dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.add_notice_handler(self._notice)
+        with dbapi_connection.cursor() as cursor:
+            cursor.execute(
+                "LOAD 'auto_explain'; SET auto_explain.log_min_duration = 0; SET auto_explain.log_analyze = on;"
+                " SET auto_explain.log_buffers = on; SET auto_explain.log_timing = off;"
+                " SET auto_explain.log_format = json; SET auto_explain.log_level = NOTICE"
+            )
+        dbapi_connection.commit()
+
+    def _notice(self, diagnostic: Any) -> None:
+        message = diagnostic.message_primary or ""
+        if self.on and "{" in message:
+            found = json.loads(message[message.index("{") :])
+            plan = found["Plan"]
+            self.buffers[shape(found["Query Text"])].append(plan.get("Shared Hit Blocks", 0) + plan.get("Shared Read Blocks", 0))
+
+    @contextmanager
+    def recording(self) -> Iterator[dict[str, list[int]]]:
+        self.ledger.engine.dispose()  # new connections, which load auto_explain
+        event.listen(self.ledger.engine, "connect", self._connect)
+        self.buffers = defaultdict(list)
+        try:
+            yield self.buffers
+        finally:
+            event.remove(self.ledger.engine, "connect", self._connect)
+            self.ledger.engine.dispose()
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """The test's own reads (which step is released, which attempts are live) are not the
+        ledger's: they go unrecorded."""
+        self.on = False
+        try:
+            yield
+        finally:
+            self.on = True
+
+
+def shape(statement: str) -> str:
+    """A statement's text with its numbers as N: the reads that write a batch's ids into the
+    SQL compare with one another by their shape (and the lists' lengths)."""
+    return re.sub(r"\b\d+\b", "N", " ".join(statement.split()))
+
+
+def play_steps(d: Driver, steps: int, recorder: Recorder) -> None:
+    """Train `steps` more steps; every move's statements recorded. Results come in batches of
+    24, a third of the prompts (by attempt id) always solved, so that slots filter and borrow."""
+    trained = 0
+    recorder.on = True
+    try:
+        for _ in range(200):
+            d.admit()
+            d.reap()
+            d.relay()
+            with recorder.paused():
+                live = d.query(
+                    lambda s: list(
+                        s.scalars(
+                            select(Attempt.id)
+                            .where(Attempt.run_id == d.run_id, Attempt.state.in_([state.value for state in AttemptState.live()]))
+                            .order_by(Attempt.id)
+                            .limit(24)
+                        )
+                    )
+                )
+            if live:
+                d.start_all(live)
+                with recorder.paused():
+                    version = d.run().weight_version
+                d.record(*(d.result(a, FLAT if a % 3 == 0 else SPREAD, version) for a in live))
+            with recorder.paused():
+                released = d.query(
+                    lambda s: list(
+                        s.scalars(select(Step.step).where(Step.run_id == d.run_id, Step.status == StepStatus.RELEASED.value))
+                    )
+                )
+            for step in released:
+                assert d.train(step)
+                trained += 1
+                if trained == steps:
+                    return
+            d.tick(1)
+    finally:
+        recorder.on = False
+    raise AssertionError(f"{steps} steps did not train in 200 moves")
+
+
+def copy_history(ledger: Ledger, run_id: int, first: int, last: int) -> None:
+    """Copies `first` to `last` of the template's rows: copy k has steps (and weight
+    versions) 10k below the template's, attempt and outbox ids a million k above, and its
+    draws in epoch -k. Foreign keys go unchecked for the copy (its rows name one another)."""
+
+    def copies(table: str, where: str, changes: str) -> str:
+        return (
+            f"INSERT INTO {table} SELECT r.* FROM (SELECT * FROM {table} WHERE run_id = {run_id} AND {where}) t, "
+            f"generate_series({first}, {last}) k, LATERAL jsonb_populate_record(NULL::{table}, to_jsonb(t) || {changes}) r;"
+        )
+
+    step, ids, template = "step - 10 * k", "1000000 * k", f"step BETWEEN 0 AND {TEMPLATE_STEPS - 1}"
+    with ledger.engine.begin() as connection:
+        connection.execute(text("SET LOCAL session_replication_role = replica"))
+        connection.execute(
+            text(
+                copies("steps", template, f"jsonb_build_object('step', {step})")
+                + copies("slots", template, f"jsonb_build_object('step', {step}, 'group_attempt_id', group_attempt_id + {ids})")
+                + copies(
+                    "groups",
+                    f"origin_step BETWEEN 0 AND {TEMPLATE_STEPS - 1} AND trained_step IS NOT NULL",
+                    f"jsonb_build_object('attempt_id', attempt_id + {ids}, 'origin_step', origin_step - 10 * k,"
+                    " 'weight_version', weight_version - 10 * k, 'trained_step', trained_step - 10 * k)",
+                )
+                + copies("attempts", template, f"jsonb_build_object('id', id + {ids}, 'step', {step}, 'origin_step', origin_step - 10 * k)")
+                + copies("outbox", f"{template} AND sent_at IS NOT NULL", f"jsonb_build_object('id', id + {ids}, 'attempt_id', attempt_id + {ids}, 'step', {step})")
+                + copies("step_metrics", template, f"jsonb_build_object('step', {step})")
+                + copies("weight_versions", f"version BETWEEN 1 AND {TEMPLATE_STEPS}", "jsonb_build_object('version', version - 10 * k)")
+                + copies("prompt_draws", "epoch = 0", "jsonb_build_object('epoch', -k)")
+            )
+        )
+        connection.execute(text("ANALYZE"))
+
+
+def mean(values: list[int]) -> float:
+    return sum(values) / len(values)
+
+
+def test_no_statement_of_a_step_touches_more_of_a_long_runs_history(pg_ledger) -> None:  # type: ignore[no-untyped-def]
+    with pg_ledger.engine.connect() as connection:
+        if not connection.execute(text("SELECT rolsuper FROM pg_roles WHERE rolname = current_user")).scalar():
+            pytest.skip("loading auto_explain and copying rows with foreign keys unchecked take a superuser")
+    d = Driver(pg_ledger, CONFIG, num_prompts=48, check=False)
+    recorder = Recorder(pg_ledger)
+    with recorder.recording():
+        play_steps(d, TEMPLATE_STEPS, recorder)
+    copy_history(pg_ledger, d.run_id, 1, 300)
+    with recorder.recording() as short:
+        play_steps(d, 2, recorder)
+    copy_history(pg_ledger, d.run_id, 301, 1000)
+    with recorder.recording() as long:
+        play_steps(d, 2, recorder)
+    assert len(long) > 40, "auto_explain reported too few statements: is it loaded?"
+    grown = {
+        statement[:300]: (mean(short[statement]), mean(buffers))
+        for statement, buffers in long.items()
+        if statement in short and mean(buffers) > GROWTH * mean(short[statement]) + SLACK
+    }
+    assert not grown, f"statements that touch more of the run's history as it grows (buffers beside 300 copies, 1,000): {grown}"
