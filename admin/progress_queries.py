@@ -85,10 +85,11 @@ def metrics_dict(row: StepMetrics) -> dict[str, Any]:
     return out
 
 
-def step_metrics(session: Session, run_id: int) -> list[dict[str, Any]]:
-    return [
-        metrics_dict(row)
-        for row in session.scalars(
-            select(StepMetrics).where(StepMetrics.run_id == run_id).order_by(StepMetrics.step)
-        )
-    ]
+def step_metrics(session: Session, run_id: int, *, last: int | None = None) -> list[dict[str, Any]]:
+    """The run's step metrics in step order; with `last`, its newest `last` steps' only (what a
+    poll shows, read through the key from the end rather than the run's every step)."""
+    statement = select(StepMetrics).where(StepMetrics.run_id == run_id)
+    if last is None:
+        return [metrics_dict(row) for row in session.scalars(statement.order_by(StepMetrics.step))]
+    newest = session.scalars(statement.order_by(StepMetrics.step.desc()).limit(last))
+    return [metrics_dict(row) for row in reversed(list(newest))]

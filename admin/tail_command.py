@@ -11,6 +11,11 @@ import typer
 from refill.admin.console import EXIT_BAD_INPUT, EXIT_INVALID, err_console, fail, note, out_console
 from refill.admin.inspect_common import DatabaseUrl, RunId, ledger_for, show
 
+#: The newest steps' metrics each poll reads: far more than a poll interval can release, and
+#: the first poll's lines (as `tail` starts with the last lines of a file). Reading every step's,
+#: once a second, cost a long run's whole history each time.
+TAIL_STEPS = 64
+
 
 def tail(
     run_id: RunId,
@@ -20,7 +25,7 @@ def tail(
 ) -> None:
     """Follow a run's progress until it ends (Ctrl-C stops following).
 
-    The steps filling now and the metrics of each trained step. On a terminal it is the live display of `refill run start`; otherwise one line per change.
+    The steps filling now and the metrics of each trained step (from the last 64). On a terminal it is the live display of `refill run start`; otherwise one line per change.
     Exit 0 when the run completes (or stops), 1 when it fails."""
     from refill.admin.progress_queries import RunProgress, run_progress, step_metrics
     from refill.admin.snapshot import read_snapshot
@@ -30,7 +35,7 @@ def tail(
         def poll() -> tuple[RunProgress, list[dict[str, Any]]]:
             with read_snapshot(ledger) as session:
                 try:
-                    return run_progress(session, run_id), step_metrics(session, run_id)
+                    return run_progress(session, run_id), step_metrics(session, run_id, last=TAIL_STEPS)
                 except LookupError as error:
                     fail(str(error), EXIT_BAD_INPUT)
 
