@@ -1,8 +1,8 @@
 """No statement of a step's cycle grows with the length of the run.
 
-A run plays a few steps (admission, the relay, leases, results with filtered and borrowed
-groups, over-dispatch, pre-rollout skipping across epochs, release, the trainer's claim and
-its end); its rows are then copied as the history of a long run, under steps and ids of their
+A run plays a few steps (admission, the relay, leases and their expiry, results with
+filtered, borrowed and failed groups, over-dispatch, pre-rollout skipping across epochs,
+release, the trainer's claim and its end); its rows are then copied as the history of a long run, under steps and ids of their
 own, and two more steps are played beside 300 copies and again beside 1,000. PostgreSQL's
 `auto_explain` reports every statement the ledger runs with the buffers it touched: a read that
 walks the run's history touches about three times more beside 1,000 copies than beside 300,
@@ -22,9 +22,10 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
-from sqlalchemy import event, select, text
+from sqlalchemy import event, func, select, text
 
 from refill.models.db import Ledger
+from refill.models.payload import ResultMessage
 from refill.models.tables import Attempt, AttemptState, Step, StepStatus
 from tests.support.driver import FLAT, SPREAD, Driver
 
@@ -94,13 +95,22 @@ def shape(statement: str) -> str:
     return re.sub(r"\b\d+\b", "N", " ".join(statement.split()))
 
 
+def failed(d: Driver, attempt_id: int, version: int) -> ResultMessage:
+    """An engine's crash, reported for `attempt_id` (an infra failure: its slot retries)."""
+    return ResultMessage(
+        run_id=d.run_id, attempt_id=attempt_id, worker=d.worker, weight_version=version, error_kind="infra", error="engine crashed"
+    )
+
+
 def play_steps(d: Driver, steps: int, recorder: Recorder) -> None:
     """Train `steps` more steps; every move's statements recorded. Results come in batches of
-    24, a third of the prompts (by attempt id) always solved, so that slots filter and borrow."""
+    24: a third of the prompts (by attempt id) always solved, so that slots filter and borrow,
+    and one attempt in 13 an engine's crash, so that slots retry; every third move the
+    leases of every running attempt expire."""
     trained = 0
     recorder.on = True
     try:
-        for _ in range(200):
+        for move in range(200):
             d.admit()
             d.reap()
             d.relay()
@@ -119,7 +129,12 @@ def play_steps(d: Driver, steps: int, recorder: Recorder) -> None:
                 d.start_all(live)
                 with recorder.paused():
                     version = d.run().weight_version
-                d.record(*(d.result(a, FLAT if a % 3 == 0 else SPREAD, version) for a in live))
+                d.record(
+                    *(
+                        failed(d, a, version) if a % 13 == 0 else d.result(a, FLAT if a % 3 == 0 else SPREAD, version)
+                        for a in live[:-4]  # the last few stay running into the next move
+                    )
+                )
             with recorder.paused():
                 released = d.query(
                     lambda s: list(
@@ -131,7 +146,8 @@ def play_steps(d: Driver, steps: int, recorder: Recorder) -> None:
                 trained += 1
                 if trained == steps:
                     return
-            d.tick(1)
+            # Now and then every running lease expires (the reaper retries their attempts).
+            d.tick(120 if move % 3 == 2 else 1)
     finally:
         recorder.on = False
     raise AssertionError(f"{steps} steps did not train in 200 moves")
@@ -190,6 +206,16 @@ def test_no_statement_of_a_step_touches_more_of_a_long_runs_history(pg_ledger) -
     with recorder.recording() as long:
         play_steps(d, 2, recorder)
     assert len(long) > 40, "auto_explain reported too few statements: is it loaded?"
+    failures = d.query(
+        lambda s: dict(
+            s.execute(
+                select(Attempt.error, func.count())
+                .where(Attempt.run_id == d.run_id, Attempt.id < 1_000_000, Attempt.state == AttemptState.FAILED.value)
+                .group_by(Attempt.error)
+            ).all()
+        )
+    )
+    assert failures.get("engine crashed") and any("lease" in (error or "") for error in failures), failures
     grown = {
         statement[:300]: (mean(short[statement]), mean(buffers))
         for statement, buffers in long.items()
