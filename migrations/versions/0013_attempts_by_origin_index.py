@@ -8,6 +8,10 @@ which no index led with: the read scanned every attempt the run ever made, under
 (2,100 buffers on a run 3,000 steps of 16 prompts in, against 13 on a new one; linear in the
 run's length). `refill slot` finds a slot's attempts by the same columns.
 
+Building it reads every attempt once (about half a second a million rows on the development
+machine) and holds other transactions' writes to `attempts` meanwhile, as 0010-0012 do: upgrade
+between runs or with the fleet stopped.
+
 Revision ID: 0013
 Revises: 0012
 """
