@@ -20,6 +20,16 @@ def _plan(session, statement, params=None) -> str:  # type: ignore[no-untyped-de
     return "\n".join(row[0] for row in session.execute(text("EXPLAIN " + sql)))
 
 
+def first_reads(ledger, d: Driver, batch: list) -> list[tuple[str, dict]]:  # type: ignore[no-untyped-def, type-arg]
+    """The first read-ahead of recording `batch` (statement, parameters), and any other
+    statement of that shape the batch ran."""
+    with plans.statements_run(
+        ledger, lambda statement, parameters: statement.startswith("SELECT (SELECT coalesce(json_agg") and "attempt_ids" in str(parameters)
+    ) as reads:
+        d.record(*batch)
+    return reads
+
+
 class Looked(Exception):
     """Carries what a transaction saw out of it, rolling back the rows it made up."""
 
@@ -58,8 +68,6 @@ def test_a_metered_relay_pass_reads_its_runs_first_rows_whatever_the_statistics_
     waiting rows (the outbox analyzed while empty), it must still read about as many rows as
     it takes, not every waiting row of every run joined to its run and sorted (as through the
     index by `available_at` alone: about 10,000 buffers). Measured by the buffers it touches."""
-    from sqlalchemy import event
-
     from refill.models.outbox import claim_outbox
     from refill.tasks.relay import DEFAULT_QUEUED_PER_SHARE
 
@@ -74,12 +82,6 @@ def test_a_metered_relay_pass_reads_its_runs_first_rows_whatever_the_statistics_
             ),
             {"run": d.run_id},
         )
-    statements: list[tuple[str, dict]] = []  # type: ignore[type-arg]
-
-    def record(conn, cursor, statement, parameters, context, executemany):  # type: ignore[no-untyped-def]
-        if "FROM outbox" in statement and "FOR UPDATE" in statement:
-            statements.append((statement, parameters))
-
     def relay_pass(session):  # type: ignore[no-untyped-def]
         now = session.execute(text("SELECT now()")).scalar_one()
         return claim_outbox(
@@ -87,11 +89,8 @@ def test_a_metered_relay_pass_reads_its_runs_first_rows_whatever_the_statistics_
             claim_seconds=None,
         )
 
-    event.listen(pg_ledger.engine, "before_cursor_execute", record)
-    try:
+    with plans.statements_run(pg_ledger, lambda statement, _: "FROM outbox" in statement and "FOR UPDATE" in statement) as statements:
         claimed = pg_ledger.transaction(relay_pass)
-    finally:
-        event.remove(pg_ledger.engine, "before_cursor_execute", record)
     # (Rows for no attempt: their messages are moot, marked sent without a message.)
     assert claimed == []
     # The pass asked for the run's train_step rows, then for its generate rows: the second,
@@ -115,8 +114,6 @@ def test_a_batchs_first_read_ahead_under_a_generic_plan_reads_about_its_own_rows
     extra's result reads the open slots too: under 1,000 (340-500 when written; 609 once in CI,
     when the tests' PostgreSQL still ran autovacuum and "no statistics" meant whatever a
     background analyze had taken)."""
-    from sqlalchemy import event
-
     d = Driver(pg_ledger, {"grpo": {"num_prompts_per_step": 64}, "async_rl": {"over_dispatch": {"enabled": True}}}, num_prompts=512)
     d.admit()
     d.start_all([a.id for a in d.live()])
@@ -124,17 +121,7 @@ def test_a_batchs_first_read_ahead_under_a_generic_plan_reads_about_its_own_rows
     if with_extra:
         extra = next(a for a in d.live() if a.slot_idx is None)
         batch[-1] = d.result(extra.id, [0.0, 1.0, 1.0, 0.0])
-    reads: list[tuple[str, dict]] = []  # type: ignore[type-arg]
-
-    def record(conn, cursor, statement, parameters, context, executemany):  # type: ignore[no-untyped-def]
-        if statement.startswith("SELECT (SELECT coalesce(json_agg") and "attempt_ids" in str(parameters):
-            reads.append((statement, parameters))
-
-    event.listen(pg_ledger.engine, "before_cursor_execute", record)
-    try:
-        d.record(*batch)
-    finally:
-        event.remove(pg_ledger.engine, "before_cursor_execute", record)
+    reads = first_reads(pg_ledger, d, batch)
     assert len(reads) == 1 and "%(attempt_ids)s" in reads[0][0]  # bound, not written into the text
     def copies(table: str, where: str, changes: str, count: int) -> str:
         """`count` copies of one row of `table`, with `changes` (SQL for a jsonb object, `g`
@@ -178,24 +165,12 @@ def test_a_batchs_first_read_ahead_on_a_run_5000_steps_in_costs_what_it_does_on_
     from before the history (a small run) are not asserted: with them the planner takes every
     table for a few pages, and no spelling of these reads keeps it off the primary keys (about
     600 buffers); a run that grows is analyzed again by autovacuum."""
-    from sqlalchemy import event
-
     d = Driver(pg_ledger, {"grpo": {"num_prompts_per_step": 64}, "async_rl": {"over_dispatch": {"enabled": True}, "max_lookahead_versions": 1}}, num_prompts=512)
     d.admit()
     d.start_all([a.id for a in d.live()])
     batch = [d.result(a.id, [0.0, 1.0, 1.0, 0.0] if i % 3 else [1.0] * 4) for i, a in enumerate(d.live(0)[:4])]
     batch[-1] = d.result(next(a for a in d.live() if a.slot_idx is None).id, [0.0, 1.0, 1.0, 0.0])
-    reads: list[tuple[str, dict]] = []  # type: ignore[type-arg]
-
-    def record(conn, cursor, statement, parameters, context, executemany):  # type: ignore[no-untyped-def]
-        if statement.startswith("SELECT (SELECT coalesce(json_agg") and "attempt_ids" in str(parameters):
-            reads.append((statement, parameters))
-
-    event.listen(pg_ledger.engine, "before_cursor_execute", record)
-    try:
-        d.record(*batch)
-    finally:
-        event.remove(pg_ledger.engine, "before_cursor_execute", record)
+    reads = first_reads(pg_ledger, d, batch)
     statement, parameters = reads[0]
     assert "lenders_limit" in parameters and "open_limit" in parameters
     run, first = d.run_id, f"(SELECT min(id) FROM prompts WHERE run_id = {d.run_id})"
@@ -229,21 +204,10 @@ def test_a_steps_release_finds_its_slots_first_attempts_by_origin_not_among_ever
     that read touches about what the step's own attempts take, through the index of origins (a
     sequential scan of the attempts: about 700 buffers; 2,100 on a run 3,000 steps of 16
     prompts in)."""
-    from sqlalchemy import event
-
     d = Driver(pg_ledger)
     d.admit()
-    reads: list[tuple[str, dict]] = []  # type: ignore[type-arg]
-
-    def record(conn, cursor, statement, parameters, context, executemany):  # type: ignore[no-untyped-def]
-        if "avg(attempts.reward_mean)" in statement and "origin_step" in statement:
-            reads.append((statement, parameters))
-
-    event.listen(pg_ledger.engine, "before_cursor_execute", record)
-    try:
+    with plans.statements_run(pg_ledger, lambda statement, _: "avg(attempts.reward_mean)" in statement and "origin_step" in statement) as reads:
         d.fill_step(0)
-    finally:
-        event.remove(pg_ledger.engine, "before_cursor_execute", record)
     assert d.step(0).status == "released" and d.query(lambda s: s.get(StepMetrics, (d.run_id, 0))).first_attempt_reward is not None
     [(statement, parameters)] = reads
     history = (  # made up and rolled back; foreign keys unchecked (the steps and slots they name do not exist)
@@ -266,8 +230,6 @@ def test_the_loaders_streak_read_walks_back_only_as_far_as_it_needs(pg_ledger) -
     statistics taken after them), it touches about what three rows a prompt take: neither the
     prompts' whole history (the index by prompt alone) nor every newer attempt (the primary
     key walked back)."""
-    from sqlalchemy import event
-
     from refill.models import skipping
     from refill.models.tables import Prompt
 
@@ -277,19 +239,10 @@ def test_the_loaders_streak_read_walks_back_only_as_far_as_it_needs(pg_ledger) -
     with pg_ledger.session() as session:
         prompt_ids = sorted(session.scalars(select(Prompt.id).where(Prompt.run_id == d.run_id)))
     read, other = prompt_ids[:8], prompt_ids[8:]
-    seen: list[tuple[str, dict]] = []  # type: ignore[type-arg]
-
-    def record(conn, cursor, statement, parameters, context, executemany):  # type: ignore[no-untyped-def]
-        seen.append((statement, parameters))
-
-    event.listen(pg_ledger.engine, "before_cursor_execute", record)
-    try:
-        with pg_ledger.session() as session:
-            found = skipping.streaks(session, d.run_id, read, 3)
-    finally:
-        event.remove(pg_ledger.engine, "before_cursor_execute", record)
+    with plans.statements_run(pg_ledger, lambda statement, _: "LATERAL" in statement) as seen, pg_ledger.session() as session:
+        found = skipping.streaks(session, d.run_id, read, 3)
     assert sorted(found) == read
-    [(statement, parameters)] = [(s, p) for s, p in seen if "LATERAL" in s]
+    [(statement, parameters)] = seen
 
     def copies(ids: str, prompts: list[int]) -> str:
         return (

@@ -5,11 +5,31 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import psycopg
+from sqlalchemy import event
 
 from refill.models.db import Ledger
+
+
+@contextmanager
+def statements_run(ledger: Ledger, keep: Callable[[str, Any], bool] = lambda statement, parameters: True) -> Iterator[list[tuple[str, Any]]]:
+    """The statements run on `ledger`'s engine inside the block that `keep` accepts, each as the
+    driver received it, with its parameters (to explain them afterwards)."""
+    seen: list[tuple[str, Any]] = []
+
+    def record(conn, cursor, statement, parameters, context, executemany):  # type: ignore[no-untyped-def]
+        if keep(statement, parameters):
+            seen.append((statement, parameters))
+
+    event.listen(ledger.engine, "before_cursor_execute", record)
+    try:
+        yield seen
+    finally:
+        event.remove(ledger.engine, "before_cursor_execute", record)
 
 
 def run_explained(ledger: Ledger, statement: str, parameters: Any) -> tuple[int, int]:
