@@ -217,7 +217,12 @@ class Soak:
         return None
 
     def _status(self, run_id: int) -> str:
-        return self.ledger.transaction(lambda s: s.scalar(select(Run.status).where(Run.id == run_id)), what="soak status")
+        # Tries enough to outlast a restart of PostgreSQL (5 s down, up to 9 s with the stop and
+        # the start on a loaded machine): the default eight, about 5-10 s of back-off, came
+        # within one try of giving up and ending the soak in seeds 9 and 10.
+        return self.ledger.transaction(
+            lambda s: s.scalar(select(Run.status).where(Run.id == run_id)), attempts=20, what="soak status"
+        )
 
     # --- the faults ------------------------------------------------------------------------
 
