@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from refill.admin.progress_queries import step_metrics
+from refill.admin.progress_queries import run_progress, step_metrics
 from tests.support.driver import Driver
 from tests.support.play import play
 
@@ -17,3 +17,21 @@ def test_a_poll_reads_the_newest_steps_metrics_in_step_order(ledger) -> None:  #
     assert [row["step"] for row in every] == [0, 1, 2, 3, 4]
     assert newest == every[-2:]
     assert beyond == every
+
+
+def test_progress_counts_the_trained_steps_as_admitted_less_unfinished(ledger) -> None:  # type: ignore[no-untyped-def]
+    """`run_progress` counts the trained steps without walking them: the steps admitted less
+    those not trained yet, the same number as counting them, at every point of a run."""
+    d = Driver(ledger, {"grpo": {"max_num_steps": 4}})
+    seen = []
+
+    def counted() -> None:
+        with ledger.session() as session:
+            progress = run_progress(session, d.run_id)
+        steps = d.steps()
+        assert progress.trained_steps == sum(s.status == "trained" for s in steps)
+        assert [s.step for s in progress.open_steps] == [s.step for s in steps if s.status != "trained"]
+        seen.append(progress.trained_steps)
+
+    play(d, after=lambda _: counted())
+    assert seen[0] == 0 and seen[-1] == 4 and sorted(seen) == seen

@@ -26,6 +26,9 @@ from typing import Any
 import pytest
 from sqlalchemy import event, func, select, text
 
+from refill.admin.exporter import read_ledger
+from refill.admin.progress_queries import run_progress, step_metrics
+from refill.admin.tail_command import TAIL_STEPS
 from refill.models.db import Ledger
 from refill.models.payload import ResultMessage
 from refill.models.tables import Attempt, AttemptState, Base, Step, StepStatus
@@ -120,6 +123,15 @@ def failed(d: Driver, attempt_id: int, version: int) -> ResultMessage:
     )
 
 
+def watch(d: Driver) -> None:
+    """The reads that watch a run while it goes, polled every second or so: the controller's
+    progress (`refill run start`'s display), `refill tail`'s, and the metrics exporter's."""
+    with d.ledger.session() as session:
+        run_progress(session, d.run_id)
+        step_metrics(session, d.run_id, last=TAIL_STEPS)
+    read_ledger(d.ledger, recent_minutes=60)
+
+
 def play_steps(d: Driver, steps: int, recorder: Recorder) -> None:
     """Train `steps` more steps; every move's statements recorded. Results come in batches of
     24: a third of the prompts (by attempt id) always solved, so that slots filter and borrow,
@@ -166,6 +178,7 @@ def play_steps(d: Driver, steps: int, recorder: Recorder) -> None:
                 trained += 1
                 if trained == steps:
                     return
+            watch(d)
             # Now and then every running lease expires (the reaper retries their attempts).
             d.tick(120 if move % 3 == 2 else 1)
     finally:
