@@ -2,7 +2,8 @@
 
 Two runs play the same moves (admission, the relay, leases and their expiry, results with
 filtered, borrowed and failed groups, over-dispatch, pre-rollout skipping across epochs,
-release, the trainer's claim and its end): a few steps, whose rows are then copied as the
+release, the trainer's claim and its end, a controller's restart, and the reads that watch a
+run: its progress, `refill tail`'s metrics, the exporter's): a few steps, whose rows are then copied as the
 history of a long run under steps and ids of their own (300 copies for the first run, 1,000 for
 the second), then two more steps. PostgreSQL's `auto_explain` reports every statement the
 ledger runs in those two steps with the rows its scans looked at: a read that walks the run's
@@ -239,6 +240,8 @@ def played_beside(ledger: Ledger, recorder: Recorder, copies: int, sampler: str)
     play_steps(d, TEMPLATE_STEPS, recorder)
     copy_history(ledger, d.run_id, 1, copies)
     with recorder.recording() as rows:
+        recorder.on = True
+        d.resume()  # its controller starts again, as after a crash or a stop
         play_steps(d, 2, recorder)
     return d, rows
 
