@@ -8,8 +8,10 @@ the run saw (the spare pool size, the measured p) at that moment.
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import func, select
+from sqlalchemy.orm import aliased
 
 from refill.models import decisions, skipping
 from refill.models.context import RunContext
@@ -65,19 +67,7 @@ def record_release_metrics(ctx: RunContext, step: StepRow) -> StepMetrics:
             Attempt.run_id == run_id, Attempt.step == s, Attempt.reason.in_(REPLACEMENT_REASONS)
         )
     )
-    # "First attempt": the first finished generation of each slot's own prompt, which is what
-    # a run without dynamic sampling would have trained on.
-    first_ids = (
-        select(func.min(Attempt.id))
-        .where(
-            Attempt.run_id == run_id,
-            Attempt.origin_step == s,
-            Attempt.reason.in_([AttemptReason.FIRST.value, AttemptReason.RETRY.value]),
-            Attempt.reward_mean.is_not(None),
-        )
-        .group_by(Attempt.origin_slot)
-    )
-    first_reward = session.scalar(select(func.avg(Attempt.reward_mean)).where(Attempt.id.in_(first_ids)))
+    first_reward = session.scalar(_first_attempt_reward(run_id, s))
     trained = session.execute(
         select(Group.reward_mean, Group.weight_version)
         .join(Slot, Slot.group_attempt_id == Group.attempt_id)
@@ -122,6 +112,27 @@ def record_release_metrics(ctx: RunContext, step: StepRow) -> StepMetrics:
     )
     session.add(metrics)
     return metrics
+
+
+def _first_attempt_reward(run_id: int, step: int) -> Any:
+    """The mean reward of the first finished generation of each slot's own prompt (what a run
+    without dynamic sampling would have trained on): of the attempts dispatched for the slot
+    (`origin_slot`) on the prompt of its first one (admission's, the lowest id), the lowest id
+    that has a reward. By prompt, not by `reason`: a slot's own attempt that an extra's group
+    displaced serves the step as an extra from then on (`slots.release_to_extra`), its prompt
+    unchanged; by reason it was left out, and a step whose every own attempt was displaced had
+    none (seen in CI)."""
+    own = aliased(Attempt)
+    dispatched = (Attempt.run_id == run_id, Attempt.origin_step == step, Attempt.origin_slot.is_not(None))
+    firsts = select(Attempt.origin_slot, func.min(Attempt.id).label("first_id")).where(*dispatched).group_by(Attempt.origin_slot).subquery()
+    prompts = select(firsts.c.origin_slot, own.prompt_id).join(own, own.id == firsts.c.first_id).subquery()
+    first_ids = (
+        select(func.min(Attempt.id))
+        .join(prompts, (prompts.c.origin_slot == Attempt.origin_slot) & (prompts.c.prompt_id == Attempt.prompt_id))
+        .where(*dispatched, Attempt.reason.not_in(REPLACEMENT_REASONS), Attempt.reward_mean.is_not(None))
+        .group_by(Attempt.origin_slot)
+    )
+    return select(func.avg(Attempt.reward_mean)).where(Attempt.id.in_(first_ids))
 
 
 def record_skipping(ctx: RunContext, metrics: StepMetrics, finished: int, solved: int, failed: int) -> None:

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from tests.support.driver import FLAT, Driver
+from tests.support.driver import FLAT, SPREAD, Driver
 
 
 def test_step_metrics_at_release(ledger) -> None:  # type: ignore[no-untyped-def]
@@ -97,3 +97,23 @@ def test_budget_risk_is_reported_while_healthy_and_not_without_dynamic_sampling(
     m = off.metrics(0)
     assert m.budget_exhaustion_risk is None
     assert (m.zero_variance_groups, m.filtered_groups, m.zero_variance_fraction) == (1, 0, 0.25)
+
+
+def test_first_attempt_reward_counts_a_slots_own_attempt_that_an_extra_displaced(ledger) -> None:  # type: ignore[no-untyped-def]
+    """An extra's group takes the earliest open slot, and that slot's own attempt serves the
+    step as an extra from then on: its generation is still the first of the slot's own prompt,
+    and counts in `first_attempt_reward` (by reason it did not: a step whose every own attempt
+    was displaced had none)."""
+    d = Driver(ledger, {"async_rl": {"max_lookahead_versions": 1, "over_dispatch": {"enabled": True, "safety_sigmas": 0.0}}})
+    assert d.admit() == [0, 1]
+    d.start_all([a.id for a in d.live()])
+    own = {idx: d.live_of(0, idx).id for idx in range(4)}
+    extras = [a for a in d.live(1) if a.slot_idx is None][:2]
+    assert len(extras) == 2
+    d.record(*(d.result(a.id, SPREAD) for a in extras))
+    # Step 1's extras filled step 0's first two slots; their own attempts are step 0's extras now.
+    assert {a.id for a in d.live(0) if a.slot_idx is None} == {own[0], own[1]}
+    d.record(d.result(own[0], [0.0, 1.0, 0.0, 1.0]), d.result(own[1], [1.0, 1.0, 0.0, 1.0]))
+    # Each took one of step 0's last two slots (displacing theirs): the step is full.
+    assert d.step(0).status == "released"
+    assert d.metrics(0).first_attempt_reward == pytest.approx((0.5 + 0.75) / 2)
