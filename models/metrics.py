@@ -11,7 +11,6 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import func, select
-from sqlalchemy.orm import aliased
 
 from refill.models import decisions, skipping
 from refill.models.context import RunContext
@@ -117,22 +116,30 @@ def record_release_metrics(ctx: RunContext, step: StepRow) -> StepMetrics:
 def _first_attempt_reward(run_id: int, step: int) -> Any:
     """The mean reward of the first finished generation of each slot's own prompt (what a run
     without dynamic sampling would have trained on): of the attempts dispatched for the slot
-    (`origin_slot`) on the prompt of its first one (admission's, the lowest id), the lowest id
-    that has a reward. By prompt, not by `reason`: a slot's own attempt that an extra's group
-    displaced serves the step as an extra from then on (`slots.release_to_extra`), its prompt
-    unchanged; by reason it was left out, and a step whose every own attempt was displaced had
-    none (seen in CI)."""
-    own = aliased(Attempt)
-    dispatched = (Attempt.run_id == run_id, Attempt.origin_step == step, Attempt.origin_slot.is_not(None))
-    firsts = select(Attempt.origin_slot, func.min(Attempt.id).label("first_id")).where(*dispatched).group_by(Attempt.origin_slot).subquery()
-    prompts = select(firsts.c.origin_slot, own.prompt_id).join(own, own.id == firsts.c.first_id).subquery()
-    first_ids = (
-        select(func.min(Attempt.id))
-        .join(prompts, (prompts.c.origin_slot == Attempt.origin_slot) & (prompts.c.prompt_id == Attempt.prompt_id))
-        .where(*dispatched, Attempt.reason.not_in(REPLACEMENT_REASONS), Attempt.reward_mean.is_not(None))
-        .group_by(Attempt.origin_slot)
+    (`origin_slot`) on the prompt of its first one (admission's, the lowest id), not
+    replacements, the lowest id that has a reward. By prompt, not by `reason`: a slot's own
+    attempt that an extra's group displaced serves the step as an extra from then on
+    (`slots.release_to_extra`), its prompt unchanged; by reason it was left out, and a step
+    whose every own attempt was displaced had none (seen in CI). One pass over the step's
+    attempts in slot and id order (two window functions), through the index of origins."""
+    slot_order = {"partition_by": Attempt.origin_slot, "order_by": Attempt.id}
+    dispatched = (
+        select(
+            Attempt.id,
+            Attempt.origin_slot,
+            Attempt.reason,
+            Attempt.reward_mean,
+            (Attempt.prompt_id == func.first_value(Attempt.prompt_id).over(**slot_order)).label("own_prompt"),
+        )
+        .where(Attempt.run_id == run_id, Attempt.origin_step == step, Attempt.origin_slot.is_not(None))
+        .subquery()
     )
-    return select(func.avg(Attempt.reward_mean)).where(Attempt.id.in_(first_ids))
+    finished = (
+        select(dispatched.c.reward_mean, func.row_number().over(partition_by=dispatched.c.origin_slot, order_by=dispatched.c.id).label("n"))
+        .where(dispatched.c.own_prompt.is_(True), dispatched.c.reason.not_in(REPLACEMENT_REASONS), dispatched.c.reward_mean.is_not(None))
+        .subquery()
+    )
+    return select(func.avg(finished.c.reward_mean)).where(finished.c.n == 1)
 
 
 def record_skipping(ctx: RunContext, metrics: StepMetrics, finished: int, solved: int, failed: int) -> None:

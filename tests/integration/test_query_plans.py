@@ -206,7 +206,7 @@ def test_a_steps_release_finds_its_slots_first_attempts_by_origin_not_among_ever
     prompts in)."""
     d = Driver(pg_ledger)
     d.admit()
-    with plans.statements_run(pg_ledger, lambda statement, _: "avg(attempts.reward_mean)" in statement and "origin_step" in statement) as reads:
+    with plans.statements_run(pg_ledger, lambda statement, _: "first_value(attempts.prompt_id)" in statement) as reads:
         d.fill_step(0)
     assert d.step(0).status == "released" and d.query(lambda s: s.get(StepMetrics, (d.run_id, 0))).first_attempt_reward is not None
     [(statement, parameters)] = reads
