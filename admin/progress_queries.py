@@ -10,6 +10,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from refill.models import sql
 from refill.models.sql import literal
 from refill.models.tables import Run, SparePrompt, Step, StepMetrics, StepStatus
 
@@ -52,11 +53,7 @@ def run_progress(session: Session, run_id: int) -> RunProgress:
     )
     open_steps = [
         StepProgress(s.step, s.status, s.committed, s.num_slots - s.shrunk)
-        for s in session.scalars(
-            select(Step)
-            .where(Step.run_id == run_id, Step.status != literal(StepStatus.TRAINED.value))
-            .order_by(Step.step)
-        )
+        for s in session.execute(*sql.unfinished_steps(run_id))
     ]
     last = session.scalars(
         select(StepMetrics)

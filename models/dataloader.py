@@ -18,14 +18,14 @@ from __future__ import annotations
 from functools import lru_cache
 
 import numpy as np
-from sqlalchemy import func, select
+from sqlalchemy import select
 
-from refill.models import decisions, skipping
+from refill.models import decisions, skipping, sql
 from refill.models.context import RunContext
 from refill.models.decisions import spare_refill_needed
 from refill.models.rows import AttemptRow, SpareRow
 from refill.models.sql import insert_rows, literal_in
-from refill.models.tables import Prompt, PromptDraw, Step, StepStatus
+from refill.models.tables import Prompt, PromptDraw
 
 #: Places read ahead per query under skipping: at least this many, else twice what is still
 #: wanted (about what a half-skipping loader needs; more is read only when it runs short).
@@ -135,9 +135,7 @@ def _draw_skipping(ctx: RunContext, count: int, step: int | None) -> list[int]:
 def _spare_pool_step(ctx: RunContext) -> int:
     """The step a spare pool's draw is for: the earliest open one (its release counts what was
     skipped), else the next to be admitted."""
-    earliest = ctx.session.scalar(
-        select(func.min(Step.step)).where(Step.run_id == ctx.run.id, Step.status == StepStatus.OPEN.value)
-    )
+    earliest = ctx.session.scalar(select(sql.first_open_step()), {"run_id": ctx.run.id})
     return ctx.run.next_step if earliest is None else int(earliest)
 
 

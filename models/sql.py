@@ -330,11 +330,11 @@ def batch_places_elsewhere() -> ColumnElement[bool]:
     parameters) is an extra, or serves a step later than the run's first open one (whose
     groups may fill slots of the earlier step waiting on a replacement). Where neither holds,
     the batch never looks at the slots waiting (`RunContext.read_ahead`)."""
-    return exists().where(*_batch_attempts(), or_(_attempts.c.slot_idx.is_(None), _attempts.c.step > _first_open_step()))
+    return exists().where(*_batch_attempts(), or_(_attempts.c.slot_idx.is_(None), _attempts.c.step > first_open_step()))
 
 
-def _first_open_step() -> ScalarSelect[Any]:
-    """The run's (`run_id`) first open step, as a scalar subquery."""
+def first_open_step() -> ScalarSelect[Any]:
+    """The run's (`run_id`, bound) first open step, as a scalar subquery."""
     return (
         select(func.min(_steps.c.step))
         .where(_steps.c.run_id == bindparam("run_id"), *_step_is_open())
@@ -386,7 +386,7 @@ def spares(run_id: int, after_id: int, limit: int) -> Query:
 @cache
 def _lendable() -> tuple[Select[Any], Select[Any]]:
     run_id = bindparam("run_id")
-    earliest_open = _first_open_step()
+    earliest_open = first_open_step()
     committed = (
         select(*SLOT_COLUMNS, _groups.c.weight_version.label("lender_version"))
         .join(_groups, _groups.c.attempt_id == _slots.c.group_attempt_id)
