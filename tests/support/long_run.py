@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import re
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -37,12 +37,20 @@ TEMPLATE_STEPS = 3
 
 class Recorder:
     """The statements `auto_explain` reports on the ledger's connections (as its NOTICE), with
-    the rows each one's scans looked at (`examined`), while `on`."""
+    what each one's plan did (`measure` of the plan: by default `examined`, the rows its scans
+    looked at), by the statement's `key` (by default its `shape`), while `on`."""
 
-    def __init__(self, ledger: Ledger) -> None:
+    def __init__(
+        self,
+        ledger: Ledger,
+        measure: Callable[[dict[str, Any]], int] | None = None,
+        key: Callable[[str], str] | None = None,
+    ) -> None:
         self.ledger = ledger
         self.on = False
         self.rows: dict[str, list[int]] = defaultdict(list)
+        self.measure = measure or examined
+        self.key = key or shape
 
     def _connect(self, dbapi_connection: Any, _record: Any) -> None:
         dbapi_connection.add_notice_handler(self._notice)
@@ -59,7 +67,7 @@ class Recorder:
         if self.on and "{" in message:
             found = json.loads(message[message.index("{") :])
             plan = found["Plan"]
-            self.rows[shape(found["Query Text"])].append(examined(plan))
+            self.rows[self.key(found["Query Text"])].append(self.measure(plan))
 
     @contextmanager
     def recording(self) -> Iterator[dict[str, list[int]]]:
@@ -96,10 +104,31 @@ def examined(node: dict[str, Any]) -> int:
     return rows + sum(examined(child) for child in node.get("Plans", []))
 
 
+def handled(node: dict[str, Any]) -> int:
+    """The rows every node of a plan handled: what each returned and what its filters (a join's
+    too) removed, over its loops. Unlike `examined` it counts a join's work as well: a nested
+    loop that goes over a step's attempts again for each of its slots handles their product,
+    however few rows its scans read (from a materialized inner side)."""
+    rows = 0
+    # A bitmap's entries are counted by the heap scan above it (the rows it found, and those its
+    # recheck removed): the index's own count includes entries of rows that are dead (extras
+    # started since the last vacuum), which plain index scans mark and skip, so it moved with
+    # the plan and with vacuum's timing.
+    if node["Node Type"] != "Bitmap Index Scan":
+        rows = sum(node.get(name, 0) for name in ("Actual Rows", "Rows Removed by Filter", "Rows Removed by Join Filter", "Rows Removed by Index Recheck"))
+    return int(rows * node.get("Actual Loops", 1)) + sum(handled(child) for child in node.get("Plans", []))
+
+
 def shape(statement: str) -> str:
     """A statement's text with its numbers as N: the reads that write a batch's ids into the
     SQL compare with one another by their shape (and the lists' lengths)."""
     return re.sub(r"\b\d+\b", "N", " ".join(statement.split()))
+
+
+def shape_any_length(statement: str) -> str:
+    """`shape`, with a list of numbers of any length as one: a read of a step's prompts by id
+    has one shape whatever the step's size."""
+    return re.sub(r"N(, N)+", "N, ...", shape(statement))
 
 
 def failed(d: Driver, attempt_id: int, version: int) -> ResultMessage:
@@ -118,12 +147,14 @@ def watch(d: Driver) -> None:
     read_ledger(d.ledger, recent_minutes=60)
 
 
-def play_steps(d: Driver, steps: int, recorder: Recorder) -> None:
-    """Train `steps` more steps; every move's statements recorded. Results come in batches of
-    24: a third of the prompts (by attempt id) always solved, so that slots filter and borrow,
+def play_steps(d: Driver, steps: int, recorder: Recorder, scale: int = 1) -> None:
+    """Train `steps` more steps; every move's statements recorded. Each move starts the first
+    `24 * scale` live attempts and finishes all but the last few, whose results come in batches
+    of 24: a third of the prompts (by attempt id) always solved, so that slots filter and borrow,
     and one attempt in 13 an engine's crash, so that slots retry; every third move the
     leases of every running attempt expire. Attempt ids count from the run's first (other
-    tests' runs take ids from the same sequence), so that two runs play alike."""
+    tests' runs take ids from the same sequence), so that two runs play alike; a run of steps
+    `scale` times as large plays alike in proportion."""
     first = d.query(lambda s: s.scalar(select(func.min(Attempt.id)).where(Attempt.run_id == d.run_id))) or 0
     trained = 0
     recorder.on = True
@@ -139,7 +170,7 @@ def play_steps(d: Driver, steps: int, recorder: Recorder) -> None:
                             select(Attempt.id)
                             .where(Attempt.run_id == d.run_id, Attempt.state.in_([state.value for state in AttemptState.live()]))
                             .order_by(Attempt.id)
-                            .limit(24)
+                            .limit(24 * scale)
                         )
                     )
                 )
@@ -147,12 +178,14 @@ def play_steps(d: Driver, steps: int, recorder: Recorder) -> None:
                 d.start_all(live)
                 with recorder.paused():
                     version = d.run().weight_version
-                d.record(
-                    *(
-                        failed(d, a, version) if (a - first) % 13 == 12 else d.result(a, FLAT if (a - first) % 3 == 0 else SPREAD, version)
-                        for a in live[:-4]  # the last few stay running into the next move
+                finished = live[: -4 * scale]  # the last few stay running into the next move
+                for batch in range(0, len(finished), 24):
+                    d.record(
+                        *(
+                            failed(d, a, version) if (a - first) % 13 == 12 else d.result(a, FLAT if (a - first) % 3 == 0 else SPREAD, version)
+                            for a in finished[batch : batch + 24]
+                        )
                     )
-                )
             with recorder.paused():
                 released = d.query(
                     lambda s: list(
@@ -170,6 +203,28 @@ def play_steps(d: Driver, steps: int, recorder: Recorder) -> None:
     finally:
         recorder.on = False
     raise AssertionError(f"{steps} steps did not train in 200 moves")
+
+
+#: Prompts in the ledger beside a run's own: other runs' data sets. A few hundred prompts fit in
+#: a few pages, which PostgreSQL scans again for each row it joins to them (the relay's read of
+#: its attempts' prompts, planned so, handled the batch times the data set); a ledger's data
+#: sets are larger than that.
+LEDGER_PROMPTS = 10_000
+
+
+def other_runs_prompts(ledger: Ledger, run_id: int) -> None:
+    """Copies of `run_id`'s prompts, `LEDGER_PROMPTS` in all, as other runs' (runs that are not
+    there: their foreign keys go unchecked, and nothing reads another run's prompts)."""
+    with ledger.engine.begin() as connection:
+        own = connection.execute(text(f"SELECT count(*) FROM prompts WHERE run_id = {run_id}")).scalar_one()
+        connection.execute(text("SET LOCAL session_replication_role = replica"))
+        connection.execute(
+            text(
+                f"INSERT INTO prompts SELECT r.* FROM (SELECT * FROM prompts WHERE run_id = {run_id}) t, "
+                f"generate_series(1, {LEDGER_PROMPTS // own}) k, LATERAL jsonb_populate_record(NULL::prompts, "
+                "to_jsonb(t) || jsonb_build_object('id', id + 1000000 * k, 'run_id', -k)) r"
+            )
+        )
 
 
 def copy_history(ledger: Ledger, run_id: int, first: int, last: int) -> None:
@@ -214,21 +269,30 @@ def mean(values: list[int]) -> float:
     return sum(values) / len(values)
 
 
-def played_beside(ledger: Ledger, recorder: Recorder, copies: int, sampler: str) -> tuple[Driver, dict[str, list[int]]]:
-    """A run's template steps played on empty tables, copied `copies` times as its history,
-    then two steps played beside it: the run, and the rows each statement of those two steps
-    looked at. The tables are truncated first and their ids start again, so that each run
-    finds only its own rows and has the same ids as the other."""
+def played_beside(
+    ledger: Ledger, recorder: Recorder, copies: int, sampler: str, prompts_per_step: int = 16
+) -> tuple[Driver, dict[str, list[int]]]:
+    """A run of `prompts_per_step` prompts a step over a data set of three steps' prompts: its
+    template steps played on empty tables, copied `copies` times as its history, then two steps
+    played beside it; returns the run, and what each statement of those two steps did
+    (`recorder.measure`). The tables are truncated first and their ids start again, so that each
+    run finds only its own rows and has the same ids as another of its size."""
     with ledger.engine.begin() as connection:
         connection.execute(text(f"TRUNCATE {', '.join(TABLES)} RESTART IDENTITY CASCADE"))
     # Not checked by `refill check` at the end: the copied history is not a run's (its slots'
     # groups, counters and draws repeat the template's).
-    config = {**CONFIG, "async_rl": {**CONFIG["async_rl"], "sampler": {"name": sampler}}}
-    d = Driver(ledger, config, num_prompts=48, check=False)
-    play_steps(d, TEMPLATE_STEPS, recorder)
+    config = {
+        **CONFIG,
+        "grpo": {**CONFIG["grpo"], "num_prompts_per_step": prompts_per_step},
+        "async_rl": {**CONFIG["async_rl"], "sampler": {"name": sampler}},
+    }
+    d = Driver(ledger, config, num_prompts=3 * prompts_per_step, check=False)
+    scale = max(1, prompts_per_step // 16)
+    play_steps(d, TEMPLATE_STEPS, recorder, scale)
+    other_runs_prompts(ledger, d.run_id)
     copy_history(ledger, d.run_id, 1, copies)
     with recorder.recording() as rows:
         recorder.on = True
         d.resume()  # its controller starts again, as after a crash or a stop
-        play_steps(d, 2, recorder)
+        play_steps(d, 2, recorder, scale)
     return d, rows
