@@ -32,7 +32,7 @@ from sqlalchemy import text
 from refill.models.leases import start_attempts
 from refill.models.tables import StepStatus
 from tests.support.driver import FLAT, SPREAD, Driver
-from tests.support.long_run import Recorder, handled, mean, played_beside, shape_any_length
+from tests.support.long_run import Recorder, handled, mean, played_beside, shape_any_length, watch
 
 #: The larger run's steps, against the smaller's.
 SMALL, SIZE = 16, 4
@@ -79,37 +79,48 @@ PER_SLOT = 16
 
 
 def test_a_large_steps_statements_handle_rows_in_proportion(pg_ledger) -> None:  # type: ignore[no-untyped-def]
-    """One step of 4096 slots played through (admission, the relay, leases in bundles, results in
-    batches of 64 with a third of the groups filtered, a controller's restart halfway, the
-    release and its metrics, the trainer's claim): no statement's plan handles more than
-    `PER_SLOT` rows a slot. The plans PostgreSQL picks for a step this size are its own: stop 38's
-    first form of the first-attempt reward handled the step's rows linearly at 64 slots and
-    took 11.9 s here."""
+    """One step of 4096 slots played through: admission, the relay, leases in bundles, results
+    in batches of 64 with a third of the groups filtered, a quarter of the way in every running
+    lease expiring at once (the reaper retries them), halfway a stop and a resume (every open
+    slot repaired), the reads that watch a run, the release and its metrics, the trainer's
+    claim. No statement's plan handles more than `PER_SLOT` rows a slot, and the run is whole
+    (`refill check`, after the test). The plans PostgreSQL picks for a step this size are its
+    own: stop 38's first form of the first-attempt reward handled the step's rows linearly at
+    64 slots and 39.9 million rows here (11.9 s in `bench overhead`)."""
     with pg_ledger.engine.connect() as connection:
         if not connection.execute(text("SELECT rolsuper FROM pg_roles WHERE rolname = current_user")).scalar():
             pytest.skip("loading auto_explain takes a superuser")
     recorder = Recorder(pg_ledger, measure=handled, key=shape_any_length)
     config = {"grpo": {"num_prompts_per_step": LARGE, "max_num_steps": 1}, "async_rl": {"over_dispatch": {"enabled": True}}}
-    d = Driver(pg_ledger, config, num_prompts=2 * LARGE, check=False)
+    d = Driver(pg_ledger, config, num_prompts=2 * LARGE)
+    moves: list[str] = []
     with recorder.recording() as rows:
         recorder.on = True
         assert d.admit() == [0]
-        restarted = False
         for _ in range(400):
             sent = [m.body["attempt_id"] for m in d.relay() if m.kind == "generate"]
             for first in range(0, len(sent), 64):
                 batch = sent[first : first + 64]
                 for bundle in range(0, len(batch), 8):
                     d.ledger.transaction(
-                        lambda s, ids=batch[bundle : bundle + 8]: start_attempts(s, d.run_id, ids, d.worker, 600.0, d.now, 0)
+                        lambda s, ids=batch[bundle : bundle + 8]: start_attempts(s, d.run_id, ids, d.worker, 60.0, d.now, 0)
                     )
+                if "expired" not in moves and d.step(0).committed >= LARGE // 4:
+                    continue  # started, never finished: their leases expire below
                 d.record(*(d.result(a, FLAT if a % 3 == 0 else SPREAD, 0) for a in batch))
-            if not restarted and d.step(0).committed >= LARGE // 2:
-                d.resume()  # a controller's restart halfway: it repairs the open slots
-                restarted = True
+            committed = d.step(0).committed
+            if "expired" not in moves and committed >= LARGE // 4:
+                d.tick(120)
+                assert d.reap().attempts, "no lease expired"
+                moves.append("expired")
+            elif "restarted" not in moves and committed >= LARGE // 2:
+                d.stop()
+                d.resume()  # every open slot lost its attempt: the resume repairs them all
+                moves.append("restarted")
+            watch(d)
             if d.step(0).status == StepStatus.RELEASED.value:
                 break
-        assert restarted and d.step(0).status == StepStatus.RELEASED.value
+        assert moves == ["expired", "restarted"] and d.step(0).status == StepStatus.RELEASED.value, moves
         assert d.train(0)
     assert any("avg(" in statement and "origin_slot" in statement for statement in rows), "the release's metrics were not recorded"
     heaviest = sorted(((max(work), statement) for statement, work in rows.items()), reverse=True)
