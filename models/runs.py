@@ -177,10 +177,10 @@ def repair_open_slots(ctx: RunContext) -> int:
     """Give every open slot of an open step that has no live attempt a new one (after a stop
     or a fleet failure cancelled them), on the slot's most recent prompt.
 
-    Three reads, each of the open steps' rows once, matched here: a `NOT EXISTS` over the
-    slots' live attempts was planned as a walk of the step's live attempts for each slot (the
-    square of the step's size at every resume), and a read of each orphan's last prompt was a
-    round trip per slot (every slot is an orphan after a stop)."""
+    Two reads, the open steps' slots and the attempts aimed at them, matched here: a `NOT
+    EXISTS` over the slots' live attempts was planned as a walk of the step's live attempts for
+    each slot (the square of the step's size at every resume), and a read of each orphan's last
+    prompt was a round trip per slot (every slot is an orphan after a stop)."""
     ctx.flush()
     slots = ctx.rows.load(
         SlotRow,
@@ -191,24 +191,21 @@ def repair_open_slots(ctx: RunContext) -> int:
     )
     if not slots:
         return 0
-    steps = sorted({slot.step for slot in slots})
     aimed = ctx.session.execute(
-        select(Attempt.id, Attempt.step, Attempt.slot_idx, Attempt.prompt_id, Attempt.state).where(
-            Attempt.run_id == ctx.run.id, Attempt.step.in_(steps), Attempt.slot_idx.is_not(None)
-        )
+        select(Attempt.step, Attempt.slot_idx, Attempt.prompt_id, Attempt.state)
+        .where(Attempt.run_id == ctx.run.id, Attempt.step.in_(sorted({slot.step for slot in slots})), Attempt.slot_idx.is_not(None))
+        .order_by(Attempt.id)
     ).all()
-    live = {(step, idx) for _, step, idx, _, state in aimed if state in LIVE}
-    last_prompt: dict[tuple[int, int], tuple[int, int]] = {}
-    for attempt_id, step, idx, prompt_id, _ in aimed:
-        if attempt_id > last_prompt.get((step, idx), (-1, 0))[0]:
-            last_prompt[(step, idx)] = (attempt_id, prompt_id)
+    live = {(step, idx) for step, idx, _, state in aimed if state in LIVE}
+    # In id order, so each slot keeps its newest attempt's prompt.
+    last_prompt = {(step, idx): prompt_id for step, idx, prompt_id, _ in aimed}
     orphans = [slot for slot in slots if (slot.step, slot.idx) not in live]
     for slot in orphans:
         dispatch(
             ctx,
             step=slot.step,
             slot=slot,
-            prompt_id=last_prompt.get((slot.step, slot.idx), (0, slot.prompt_id))[1],
+            prompt_id=last_prompt.get((slot.step, slot.idx), slot.prompt_id),
             reason=AttemptReason.RETRY,
         )
     return len(orphans)
