@@ -4,7 +4,7 @@
 steps and ids of their own), then plays more steps beside that history, while PostgreSQL's
 `auto_explain` reports every statement the ledger runs with the work its plan did (`Recorder`).
 The tests of what a statement may cost as a run grows (`tests/integration/test_run_length.py`)
-compare two such runs.
+or as its steps do (`test_step_size.py`) compare two such runs.
 """
 
 from __future__ import annotations
