@@ -33,7 +33,8 @@ GROWTH, SLACK = 1.2, 10
 # `in_order` places an extra's group in the slots waiting on a replacement; the others in any
 # open slot, which a batch reads otherwise.
 @pytest.mark.parametrize("sampler", ["in_order", "ready_first"])
-def test_no_statement_of_a_step_touches_more_of_a_long_runs_history(pg_ledger, sampler) -> None:  # type: ignore[no-untyped-def]
+def test_no_statement_of_a_step_touches_more_of_a_long_runs_history(pg_ledger_truncated_after, sampler) -> None:  # type: ignore[no-untyped-def]
+    pg_ledger = pg_ledger_truncated_after
     with pg_ledger.engine.connect() as connection:
         if not connection.execute(text("SELECT rolsuper FROM pg_roles WHERE rolname = current_user")).scalar():
             pytest.skip("loading auto_explain and copying rows with foreign keys unchecked take a superuser")

@@ -32,6 +32,7 @@ from sqlalchemy import text
 from refill.models.leases import start_attempts
 from refill.models.tables import StepStatus
 from tests.support.driver import FLAT, SPREAD, Driver
+from tests.support.invariants import assert_ledger_consistent
 from tests.support.long_run import Recorder, handled, mean, played_beside, shape_any_length, watch
 
 #: The larger run's steps, against the smaller's.
@@ -46,7 +47,8 @@ GROWTH, SLACK = 1.75, 50
 
 
 @pytest.mark.parametrize("sampler", ["in_order", "ready_first"])
-def test_no_statement_of_a_step_does_more_than_linear_work_in_its_size(pg_ledger, sampler) -> None:  # type: ignore[no-untyped-def]
+def test_no_statement_of_a_step_does_more_than_linear_work_in_its_size(pg_ledger_truncated_after, sampler) -> None:  # type: ignore[no-untyped-def]
+    pg_ledger = pg_ledger_truncated_after
     with pg_ledger.engine.connect() as connection:
         if not connection.execute(text("SELECT rolsuper FROM pg_roles WHERE rolname = current_user")).scalar():
             pytest.skip("loading auto_explain and copying rows with foreign keys unchecked take a superuser")
@@ -78,21 +80,22 @@ LARGE = 4096
 PER_SLOT = 16
 
 
-def test_a_large_steps_statements_handle_rows_in_proportion(pg_ledger) -> None:  # type: ignore[no-untyped-def]
+def test_a_large_steps_statements_handle_rows_in_proportion(pg_ledger_truncated_after) -> None:  # type: ignore[no-untyped-def]
     """One step of 4096 slots played through: admission, the relay, leases in bundles, results
     in batches of 64 with a third of the groups filtered, a quarter of the way in every running
     lease expiring at once (the reaper retries them), halfway a stop and a resume (every open
     slot repaired), the reads that watch a run, the release and its metrics, the trainer's
     claim. No statement's plan handles more than `PER_SLOT` rows a slot, and the run is whole
-    (`refill check`, after the test). The plans PostgreSQL picks for a step this size are its
+    (`refill check`'s invariants). The plans PostgreSQL picks for a step this size are its
     own: stop 38's first form of the first-attempt reward handled the step's rows linearly at
     64 slots and 39.9 million rows here (11.9 s in `bench overhead`)."""
+    pg_ledger = pg_ledger_truncated_after
     with pg_ledger.engine.connect() as connection:
         if not connection.execute(text("SELECT rolsuper FROM pg_roles WHERE rolname = current_user")).scalar():
             pytest.skip("loading auto_explain takes a superuser")
     recorder = Recorder(pg_ledger, measure=handled, key=shape_any_length)
     config = {"grpo": {"num_prompts_per_step": LARGE, "max_num_steps": 1}, "async_rl": {"over_dispatch": {"enabled": True}}}
-    d = Driver(pg_ledger, config, num_prompts=2 * LARGE)
+    d = Driver(pg_ledger, config, num_prompts=2 * LARGE, check=False)  # checked below, before the fixture empties the tables
     moves: list[str] = []
     with recorder.recording() as rows:
         recorder.on = True
@@ -126,3 +129,5 @@ def test_a_large_steps_statements_handle_rows_in_proportion(pg_ledger) -> None: 
     heaviest = sorted(((max(work), statement) for statement, work in rows.items()), reverse=True)
     over = [(work, statement[:300]) for work, statement in heaviest if work > PER_SLOT * LARGE]
     assert not over, f"statements whose plans handled more than {PER_SLOT} rows a slot of a {LARGE}-slot step: {over}"
+    with pg_ledger.session() as session:
+        assert_ledger_consistent(session, d.run_id)
