@@ -4,10 +4,10 @@ Two runs play the same moves (admission, the relay, leases and their expiry, res
 filtered, borrowed and failed groups, over-dispatch, pre-rollout skipping across epochs,
 release, the trainer's claim and its end, a controller's restart, and the reads that watch a
 run: its progress, `refill tail`'s metrics, the exporter's): a few steps, whose rows are then copied as the
-history of a long run under steps and ids of their own (300 copies for the first run, 1,000 for
+history of a long run under steps and ids of their own (300 copies for the first run, 3,000 for
 the second), then two more steps. PostgreSQL's `auto_explain` reports every statement the
 ledger runs in those two steps with the rows its scans looked at: a read that walks the run's
-history looks at about three times more beside 1,000 copies than beside 300, one served by its
+history looks at about ten times more beside 3,000 copies than beside 300, one served by its
 indexes at the same rows. The moves depend only on each run's own
 ids, so both runs send the same statements with the same numbers of rows. Two reads
 that walked the history were found so (a step's release scanning every attempt for its first attempts; the loader
@@ -23,11 +23,16 @@ from sqlalchemy import func, select, text
 from refill.models.tables import Attempt, AttemptState
 from tests.support.long_run import Recorder, mean, played_beside
 
+#: Copies of the template beside the first run and beside the second: a read that walks the
+#: history looks at about ten times more beside the second.
+SHORT, LONG = 300, 3000
 #: Rows a statement's scans may look at beside the long history, against the short one. Both
 #: runs play alike on tables that hold only their own rows, so a statement served by its indexes
-#: looks at exactly the same rows beside either (measured: every one of them); a little room for
-#: a plan that changes with the statistics, none for a read of the history.
-GROWTH, SLACK = 1.2, 10
+#: looks at the same rows beside either whatever its plan, give or take the plan: the statistics
+#: differ with the history's size, and a slot's live attempts were read once through the partial
+#: index of live attempts (83 rows) and once through the slots' index (150) in CI. Room for that,
+#: none for a read of the history.
+GROWTH, SLACK = 2.5, 10
 
 
 # `in_order` places an extra's group in the slots waiting on a replacement; the others in any
@@ -39,8 +44,8 @@ def test_no_statement_of_a_step_touches_more_of_a_long_runs_history(pg_ledger_tr
         if not connection.execute(text("SELECT rolsuper FROM pg_roles WHERE rolname = current_user")).scalar():
             pytest.skip("loading auto_explain and copying rows with foreign keys unchecked take a superuser")
     recorder = Recorder(pg_ledger)
-    _, short = played_beside(pg_ledger, recorder, 300, sampler)
-    d, long = played_beside(pg_ledger, recorder, 1000, sampler)
+    _, short = played_beside(pg_ledger, recorder, SHORT, sampler)
+    d, long = played_beside(pg_ledger, recorder, LONG, sampler)
     assert len(long) > 40, "auto_explain reported too few statements: is it loaded?"
     assert {shape: len(b) for shape, b in short.items()} == {shape: len(b) for shape, b in long.items()}, "the two runs did not play alike"
     failures = d.query(
@@ -58,4 +63,4 @@ def test_no_statement_of_a_step_touches_more_of_a_long_runs_history(pg_ledger_tr
         for statement, rows in long.items()
         if mean(rows) > GROWTH * mean(short[statement]) + SLACK
     }
-    assert not grown, f"statements that touch more of the run's history as it grows (rows looked at beside 300 copies, 1,000): {grown}"
+    assert not grown, f"statements that touch more of the run's history as it grows (rows looked at beside {SHORT} copies, {LONG}): {grown}"

@@ -240,7 +240,7 @@ def copy_history(ledger: Ledger, run_id: int, first: int, last: int) -> None:
             f"generate_series({first}, {last}) k, LATERAL jsonb_populate_record(NULL::{table}, to_jsonb(t) || {changes}) r;"
         )
 
-    step, ids, template = "step - 10 * k", "1000000 * k", f"step BETWEEN 0 AND {TEMPLATE_STEPS - 1}"
+    step, ids, template = "step - 10 * k", "1000000::bigint * k", f"step BETWEEN 0 AND {TEMPLATE_STEPS - 1}"
     with ledger.engine.begin() as connection:
         connection.execute(text("SET LOCAL session_replication_role = replica"))
         connection.execute(
