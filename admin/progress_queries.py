@@ -11,7 +11,6 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from refill.models import sql
-from refill.models.sql import literal
 from refill.models.tables import Run, SparePrompt, Step, StepMetrics, StepStatus
 
 
@@ -46,7 +45,7 @@ def run_progress(session: Session, run_id: int) -> RunProgress:
     # not trained yet (the partial index of unfinished steps, 'trained' written as a literal for
     # it), in one statement so that both counts see one snapshot. Counting the trained ones
     # walked every step the run ever trained (tests/integration/test_run_length.py).
-    unfinished = select(func.count()).where(Step.run_id == run_id, Step.status != literal(StepStatus.TRAINED.value))
+    unfinished = select(func.count()).where(Step.run_id == run_id, Step.status != sql.literal(StepStatus.TRAINED.value))
     trained = session.scalar(select(Run.next_step - unfinished.scalar_subquery()).where(Run.id == run_id))
     spare = session.scalar(
         select(func.count()).where(SparePrompt.run_id == run_id, SparePrompt.taken_at.is_(None))

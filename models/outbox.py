@@ -16,19 +16,7 @@ from datetime import datetime, timedelta
 from functools import cache
 from typing import Any
 
-from sqlalchemy import (
-    DateTime,
-    Interval,
-    bindparam,
-    case,
-    delete,
-    func,
-    literal_column,
-    or_,
-    select,
-    text,
-    update,
-)
+from sqlalchemy import DateTime, Interval, bindparam, case, delete, func, or_, select, text, update
 from sqlalchemy.orm import Session
 
 from refill.config import from_snapshot
@@ -210,7 +198,7 @@ _SENDABLE = (
         # count none) PostgreSQL ANDed a scan of that whole index, every live attempt of the
         # run (7,000 at a 4096-slot step, `bench overhead` under auto_explain), with the key
         # lookups on every relay pass, and planned the prompts' join for one row. By key only.
-        literal_in(Attempt.__table__.c.state.concat(literal_column("''")), (AttemptState.PENDING.value, AttemptState.QUEUED.value)),
+        literal_in(Attempt.__table__.c.state.concat(""), (AttemptState.PENDING.value, AttemptState.QUEUED.value)),
     )
     .order_by(Attempt.__table__.c.id)
     .with_for_update(key_share=True, skip_locked=True, of=Attempt.__table__)

@@ -27,7 +27,6 @@ step.
 from __future__ import annotations
 
 import pytest
-from sqlalchemy import text
 
 from refill.models.leases import start_attempts
 from refill.models.tables import StepStatus
@@ -49,9 +48,6 @@ GROWTH, SLACK = 1.75, 50
 @pytest.mark.parametrize("sampler", ["in_order", "ready_first"])
 def test_no_statement_of_a_step_does_more_than_linear_work_in_its_size(pg_ledger_truncated_after, sampler) -> None:  # type: ignore[no-untyped-def]
     pg_ledger = pg_ledger_truncated_after
-    with pg_ledger.engine.connect() as connection:
-        if not connection.execute(text("SELECT rolsuper FROM pg_roles WHERE rolname = current_user")).scalar():
-            pytest.skip("loading auto_explain and copying rows with foreign keys unchecked take a superuser")
     recorder = Recorder(pg_ledger, measure=handled, key=shape_any_length)
     _, small = played_beside(pg_ledger, recorder, COPIES, sampler, prompts_per_step=SMALL)
     d, large = played_beside(pg_ledger, recorder, COPIES, sampler, prompts_per_step=SMALL * SIZE)
@@ -90,9 +86,6 @@ def test_a_large_steps_statements_handle_rows_in_proportion(pg_ledger_truncated_
     own: stop 38's first form of the first-attempt reward handled the step's rows linearly at
     64 slots and 39.9 million rows here (11.9 s in `bench overhead`)."""
     pg_ledger = pg_ledger_truncated_after
-    with pg_ledger.engine.connect() as connection:
-        if not connection.execute(text("SELECT rolsuper FROM pg_roles WHERE rolname = current_user")).scalar():
-            pytest.skip("loading auto_explain takes a superuser")
     recorder = Recorder(pg_ledger, measure=handled, key=shape_any_length)
     config = {"grpo": {"num_prompts_per_step": LARGE, "max_num_steps": 1}, "async_rl": {"over_dispatch": {"enabled": True}}}
     d = Driver(pg_ledger, config, num_prompts=2 * LARGE, check=False)  # checked below, before the fixture empties the tables
