@@ -545,10 +545,10 @@ class RunContext:
     # --- what a batch of results reads before it decides -------------------------------------
 
     def read_ahead(self, reads: list[Read], *, waiting: When, lendable: bool, open_slots: When) -> list[Any]:
-        """Run the caller's `reads` with the run's unfinished steps and the first loads of the
+        """Run the caller's `reads` with the run's unfinished steps, the first loads of the
         caches a batch of results will look up (`waiting` slots, `lendable` groups and spare
         prompts, a prefix of `open_slots`, whose live attempts `live_attempt` reads on first use)
-        in one round trip (`RowStore.load_all`), before the batch changes anything; returns the
+        and the blocks of ids it said it expects to use (`IdBlocks.expect`) in one round trip (`RowStore.load_all`), before the batch changes anything; returns the
         rows of the caller's reads. A cache's flag may be a
         condition (SQL over the parameters of the caller's reads, `joint_read.When`): where it
         does not hold, the cache is not read, and loads on first use if used after all.
@@ -567,6 +567,9 @@ class RunContext:
             parts.append(([Read(SpareRow, sql.spares(self.run.id, self._spares_last_id, self._spare_chunk))], self._adopt_spares))
         if open_slots is not False and self._open_slots is None:
             parts.append(([Read(SlotRow, sql.open_slots(self.run.id, limit=self._open_chunk), when=condition(open_slots))], self._adopt_open_slots))
+        drawing = self.ids.expected_read() if self.ids is not None else None
+        if drawing is not None:
+            parts.append(([drawing], self.ids.adopt_expected))
         found = self.rows.load_all([*reads, *(read for part, _ in parts for read in part)])
         at = len(reads)
         for part, adopt in parts:

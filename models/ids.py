@@ -29,10 +29,12 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
-from sqlalchemy import Table, TextClause, func, insert, select, text
+from sqlalchemy import Select, Table, bindparam, cast, func, insert, select, text
+from sqlalchemy.dialects.postgresql import REGCLASS
 from sqlalchemy.orm import Session
 
-from refill.models.sql import insert_rows
+from refill.models.joint_read import Read
+from refill.models.sql import Query, insert_rows
 
 FIRST_BLOCK = 16
 MAX_BLOCK = 1024
@@ -96,18 +98,32 @@ class IdBlocks:
             free = self._free[table] = self._draw(table, size)[::-1]
         return free.pop()
 
-    def _draw_expected(self) -> None:
+    def expected_read(self) -> Read | None:
+        """The draw `expect` set up, as a read that joins a batch's first read-ahead
+        (`RunContext.read_ahead`: the draw's round trip saved), or None where nothing is
+        expected. Its one row goes to `adopt_expected`."""
+        if not self._expected:
+            return None
+        return Read(None, self._expected_query(), extra=tuple(f"ids{i}" for i in range(len(self._expected))))
+
+    def adopt_expected(self, found: list[tuple[list[int], ...]]) -> None:
+        """Take the blocks `expected_read` drew (its row, as `RowStore.load_all` returns it)."""
         expected, self._expected = self._expected, {}
-        tables = list(expected)
-        params: dict[str, Any] = {}
-        for i, table in enumerate(tables):
-            params[f"sequence{i}"] = _sequence(self.session, table)
-            params[f"count{i}"] = expected[table]
-        drawn = self.session.execute(_drawing(len(tables)), params).one()
-        for table, ids in zip(tables, drawn, strict=True):
+        [drawn] = found
+        for table, ids in zip(expected, drawn, strict=True):
             # After the ids still free (the list is popped from its end).
             self._free[table] = sorted(ids, reverse=True) + self._free.get(table, [])
             self._next_size[table] = min(MAX_BLOCK, max(self._next_size.get(table, FIRST_BLOCK), 2 * expected[table]))
+
+    def _expected_query(self) -> Query:
+        params: dict[str, Any] = {}
+        for i, (table, count) in enumerate(self._expected.items()):
+            params[f"ids_sequence{i}"] = _sequence(self.session, table)
+            params[f"ids_count{i}"] = count
+        return Query(_drawing(len(self._expected)), params)
+
+    def _draw_expected(self) -> None:
+        self.adopt_expected([tuple(self.session.execute(*self._expected_query()).one())])
 
     def _draw(self, table: str, count: int) -> list[int]:
         """`count` fresh ids of `table`, ascending, in one query."""
@@ -141,10 +157,15 @@ _DRAW = text("SELECT nextval(CAST(:sequence AS regclass)) FROM generate_series(1
 
 
 @cache
-def _drawing(tables: int) -> TextClause:
-    """A block of ids from each of `tables` sequences in one query (`:sequenceI`, `:countI`),
-    built once per number of tables."""
-    columns = ", ".join(
-        f"(SELECT array_agg(nextval(CAST(:sequence{i} AS regclass))) FROM generate_series(1, :count{i}))" for i in range(tables)
+def _drawing(tables: int) -> Select[Any]:
+    """A block of ids from each of `tables` sequences in one query (`ids_sequenceI`,
+    `ids_countI`; columns `idsI`), built once per number of tables (`sql.Query`)."""
+    return select(
+        *(
+            select(func.array_agg(func.nextval(cast(bindparam(f"ids_sequence{i}"), REGCLASS))))
+            .select_from(func.generate_series(1, bindparam(f"ids_count{i}")))
+            .scalar_subquery()
+            .label(f"ids{i}")
+            for i in range(tables)
+        )
     )
-    return text(f"SELECT {columns}")

@@ -105,9 +105,10 @@ def record_results(
         with ctx:
             tolerance = ctx.settings.zero_variance_tolerance
             ctx.size_caches(len(items), sum(not r.error_kind and decisions.is_zero_variance(r.rewards, tolerance) for _, r in items))
-            attempts, ahead = _read_batch(ctx, [r.attempt_id for _, r in items])
-            # About one new attempt (and its outbox row) per result; more come in growing blocks.
+            # About one new attempt (and its outbox row) per result; more come in growing
+            # blocks. Drawn with the batch's reads.
             ctx.ids.expect({"attempts": len(items), "outbox": len(items)})
+            attempts, ahead = _read_batch(ctx, [r.attempt_id for _, r in items])
             for position, result in items:
                 attempt = attempts.get(result.attempt_id)
                 outcomes[position] = _record_one(ctx, attempt, result)

@@ -208,6 +208,34 @@ def test_expected_tables_draw_their_first_blocks_in_one_query(pg_ledger) -> None
     assert len(set(outbox)) == len(outbox)
 
 
+def test_a_batch_of_results_draws_its_ids_with_its_reads(pg_ledger) -> None:  # type: ignore[no-untyped-def]
+    """A batch's first blocks of attempt and outbox ids come in its joint read, not in a query
+    of their own; the filtered results' replacements and their messages get ids from them,
+    unused before, in the order they were made."""
+    d = Driver(pg_ledger)
+    d.admit()
+    before = {a.id for a in d.attempts()}
+    live = d.live()
+    d.start_all([a.id for a in live])
+    nextval: list[str] = []
+
+    def count_draws(conn, cursor, statement, parameters, context, executemany):  # type: ignore[no-untyped-def]
+        if "nextval" in statement:
+            nextval.append(statement)
+
+    event.listen(pg_ledger.engine, "before_cursor_execute", count_draws)
+    try:
+        recorded = d.record(*(d.result(a.id, FLAT) for a in live[:3]))
+    finally:
+        event.remove(pg_ledger.engine, "before_cursor_execute", count_draws)
+    assert [r.outcome for r in recorded.outcomes] == [Outcome.FILTERED] * 3
+    assert len(nextval) == 1 and "json_agg" in nextval[0], nextval
+    made = sorted(a.id for a in d.attempts() if a.id not in before)
+    assert len(made) == 3 and made[0] > max(before)
+    outbox = d.query(lambda s: sorted(s.scalars(select(Outbox.id).where(Outbox.attempt_id.in_(made))).all()))
+    assert len(outbox) == 3
+
+
 def test_sqlite_assigns_its_own_ids(sqlite_ledger) -> None:  # type: ignore[no-untyped-def]
     with sqlite_ledger.session() as session:
         blocks = IdBlocks.for_session(session)
