@@ -13,8 +13,8 @@ migrations, so the same indexes and constraints), one transaction for each of th
 the step's order: deletes, then per table (parents first) its new rows in one statement, then
 per table and set of changed columns one `UPDATE ... FROM unnest(...)` with one array parameter
 per column, the transaction's UPDATEs sent together. Rows go in and change as the ledger writes
-them (`refill.models.sql.insert_rows`: a COPY; `refill.models.rows.unnest_update`, the arrays
-spelled as text, sent by `refill.models.sql.execute_pipelined`): the floor is what writing the
+them (`refill.models.driver.insert_rows`: a COPY; `refill.models.rows.unnest_update`, the arrays
+spelled as text, sent by `refill.models.driver.execute_pipelined`): the floor is what writing the
 rows costs, so it writes them no slower than the ledger does (until stop 37 its UPDATEs went one
 round trip each, their arrays spelled by psycopg element by element, about a fifth of the floor).
 The setup, the workers' lease handshakes and the trainer's claim are replayed too (so every row
@@ -33,8 +33,8 @@ from typing import Any
 from sqlalchemy import JSON, Engine, Table, delete, func, null, select, text, tuple_
 
 from bench.machine import process_cpu
+from refill.models.driver import execute_pipelined, insert_rows
 from refill.models.rows import unnest_update
-from refill.models.sql import execute_pipelined, insert_rows
 
 
 @dataclass

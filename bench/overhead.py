@@ -382,11 +382,11 @@ def simulate_round_trip(seconds: float) -> None:
     loopback connection costs about 0.1 ms a round trip, a ledger on another host several
     times that, and what a change saves in round trips only shows at that price. One wait per
     cursor execute (an executemany is pipelined: one round trip), none for a statement sent in
-    the round trip of the one before it (`sql.execute_pipelined`), and one per commit."""
+    the round trip of the one before it (`driver.execute_pipelined`), and one per commit."""
     from sqlalchemy import event
     from sqlalchemy.engine import Engine
 
-    from refill.models.sql import PIPELINED
+    from refill.models.driver import PIPELINED
 
     def wait(conn: Any, *_args: Any, **_kw: Any) -> None:
         if not conn.info.get(PIPELINED):

@@ -11,10 +11,10 @@ from sqlalchemy.orm import Session
 from refill.models import decisions
 from refill.models.context import RunContext
 from refill.models.dataloader import add_to_pool, draw, refill_spare_pool
+from refill.models.driver import insert_rows
 from refill.models.overdispatch import top_up
 from refill.models.rows import StepRow
 from refill.models.slots import attempt_values, generate_outbox_values
-from refill.models.sql import insert_rows
 from refill.models.tables import Attempt, AttemptReason, Outbox, Slot, SlotStatus, StepStatus
 
 

@@ -35,6 +35,7 @@ from refill.models import sql
 from refill.models.clock import ledger_now
 from refill.models.clock import utcnow as utcnow  # re-exported: where its importers find it
 from refill.models.db import lock_run
+from refill.models.driver import insert_rows
 from refill.models.ids import IdBlocks
 from refill.models.joint_read import When, column_keys, condition
 from refill.models.rows import (
@@ -55,7 +56,6 @@ from refill.models.sql import (
     GROUP_COLUMNS,
     SLOT_COLUMNS,
     SPARE_COLUMNS,
-    insert_rows,
 )
 from refill.models.tables import (
     Attempt,

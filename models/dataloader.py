@@ -23,8 +23,9 @@ from sqlalchemy import select
 from refill.models import decisions, skipping, sql
 from refill.models.context import RunContext
 from refill.models.decisions import spare_refill_needed
+from refill.models.driver import insert_rows
 from refill.models.rows import AttemptRow, SpareRow
-from refill.models.sql import insert_rows, literal_in
+from refill.models.sql import literal_in
 from refill.models.tables import Prompt, PromptDraw
 
 #: Places read ahead per query under skipping: at least this many, else twice what is still

@@ -6,7 +6,7 @@ Without one it inserts them with `RETURNING id`, which SQLAlchemy sends as a few
 multi-row `INSERT ... VALUES (...), (...)` statements; psycopg parses a statement of that size
 anew on every execution (its cache stops at 4 KB), and that parsing was a third of admitting a
 4096-group step (`python -m bench overhead --profile admission`). With the ids known up front
-the unit of work sends all the rows in one short statement (`sql.insert_rows`: a COPY on
+the unit of work sends all the rows in one short statement (`driver.insert_rows`: a COPY on
 PostgreSQL).
 
 A block is drawn with one query, and the next one is twice as large (up to `MAX_BLOCK`), so a
@@ -33,8 +33,9 @@ from sqlalchemy import Select, Table, bindparam, cast, func, insert, select, tex
 from sqlalchemy.dialects.postgresql import REGCLASS
 from sqlalchemy.orm import Session
 
+from refill.models.driver import insert_rows
 from refill.models.joint_read import Read
-from refill.models.sql import Query, insert_rows
+from refill.models.sql import Query
 
 FIRST_BLOCK = 16
 MAX_BLOCK = 1024
@@ -134,7 +135,7 @@ class IdBlocks:
         return sorted(ids)
 
     def insert(self, table: Table, rows: list[dict[str, Any]]) -> list[int]:
-        """Insert `rows` into `table` (one statement, `sql.insert_rows`) and return their ids,
+        """Insert `rows` into `table` (one statement, `driver.insert_rows`) and return their ids,
         in order."""
         if not rows:
             return []

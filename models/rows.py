@@ -6,11 +6,11 @@ Python objects with one attribute per column (the ORM's names: `slot.filtered +=
 same), and writes what changed when the operation flushes:
 
 1. **new rows** as one statement per table (a step, attempts, then groups and outbox rows,
-   which reference them; `sql.insert_rows`: a `COPY` on PostgreSQL), with their ids drawn up
+   which reference them; `driver.insert_rows`: a `COPY` on PostgreSQL), with their ids drawn up
    front (`models/ids.py`);
 2. **changed rows** as one `UPDATE` per table and set of changed columns: on PostgreSQL
    `UPDATE t SET c = v.c FROM unnest(:ids, :c...) AS v(...)` with one array parameter per
-   column, a write's every UPDATE sent in one round trip (`sql.execute_pipelined`), elsewhere
+   column, a write's every UPDATE sent in one round trip (`driver.execute_pipelined`), elsewhere
    an executemany. A row's changes are found by comparing the columns set
    since it was read or last written (`Row._set`) with the values it held then, so a column
    nobody set is never written back:
@@ -42,7 +42,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import Session
 from sqlalchemy.sql import Select
 
-from refill.models import joint_read, sql
+from refill.models import driver, joint_read, sql
 from refill.models.joint_read import Read, as_query
 from refill.models.tables import Attempt, Group, Outbox, Run, Slot, SparePrompt, Step
 
@@ -346,7 +346,7 @@ class RowStore:
             if not new:
                 continue
             self._new[cls] = []
-            sql.insert_rows(self.session, cls.table, _insert_values(cls.table, new))
+            driver.insert_rows(self.session, cls.table, _insert_values(cls.table, new))
             for row in new:
                 self._saved[id(row)] = dict(row.__dict__)
                 _written(row)
@@ -399,12 +399,12 @@ class RowStore:
 
     def _update(self, updates: list[tuple[Table, list[str], list[Row]]]) -> None:
         """Run `updates` in their order: on PostgreSQL each an `UPDATE ... FROM unnest`, all
-        in one round trip (`sql.execute_pipelined`); elsewhere each an executemany."""
+        in one round trip (`driver.execute_pipelined`); elsewhere each an executemany."""
         counts: list[int]
         if self.postgres:
             dialect = self.session.get_bind().dialect
             statements = [unnest_update(dialect, table, keys, [row.__dict__ for row in rows]) for table, keys, rows in updates]
-            counts = sql.execute_pipelined(self.session, statements)
+            counts = driver.execute_pipelined(self.session, statements)
         else:
             counts = []
             for table, keys, rows in updates:
@@ -488,16 +488,16 @@ def _row_update(table: Table, primary: tuple[str, ...], keys: tuple[str, ...]) -
 def unnest_update(dialect: Any, table: Table, keys: Sequence[str], rows: Sequence[Mapping[str, Any]]) -> tuple[str, dict[str, Any]]:
     """`UPDATE table AS t SET c = v.c ... FROM unnest(...) AS v(...) WHERE t.pk = v.pk` of
     `rows` (the primary key and `keys` of each), one array parameter per column (a statement
-    psycopg prepares once, whatever the row count), as psycopg takes it (`sql.execute_pipelined`),
+    psycopg prepares once, whatever the row count), as psycopg takes it (`driver.execute_pipelined`),
     with its values. `bench overhead`'s floor writes its updates with it too."""
     primary = tuple(column.key for column in table.primary_key.columns)
     arrays: dict[str, Any] = {}
     for i, name in enumerate(primary):
-        arrays[f"k{i}"] = sql.array_text(sql.driver_values(dialect, table.c[name], [row[name] for row in rows]))
+        arrays[f"k{i}"] = driver.array_text(driver.driver_values(dialect, table.c[name], [row[name] for row in rows]))
     for i, key in enumerate(keys):
         # As a per-row update writes each value: a JSON None is JSON null, an int in a float
         # column a float (psycopg refuses an array of mixed types).
-        arrays[f"c{i}"] = sql.array_text(sql.driver_values(dialect, table.c[key], [row[key] for row in rows]))
+        arrays[f"c{i}"] = driver.array_text(driver.driver_values(dialect, table.c[key], [row[key] for row in rows]))
     return _unnest_statement(dialect, table, primary, tuple(keys)), arrays
 
 

@@ -12,10 +12,10 @@ from sqlalchemy.orm import Session
 
 from refill.models.barrier import queue_training
 from refill.models.context import SLOT_COLUMNS, RunContext, utcnow
+from refill.models.driver import insert_rows
 from refill.models.rows import RunRow, SlotRow
 from refill.models.settings import LedgerSettings
 from refill.models.slots import LIVE, cancel_live_attempts, dispatch
-from refill.models.sql import insert_rows
 from refill.models.tables import (
     Attempt,
     AttemptReason,

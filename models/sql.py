@@ -1,7 +1,7 @@
-"""The ledger's per-batch reads, the SQL spellings they share (how a list of ids or slot
+"""The ledger's per-batch reads and the SQL spellings they share (how a list of ids or slot
 keys, or a value a partial index names, is written into a statement so that PostgreSQL and
-psycopg serve it well; each function says why), and how new rows are inserted in bulk
-(`insert_rows`).
+psycopg serve it well; each function says why). Bulk writes run on the driver
+(models/driver.py).
 
 The reads are built here and run by `RunContext` (models/context.py), which keeps what they
 return for the rest of its transaction; a batch of results runs several of them in one round
@@ -11,36 +11,25 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from datetime import datetime
-from enum import Enum
 from functools import cache
-from types import NoneType
 from typing import Any, NamedTuple
 
 from sqlalchemy import (
-    JSON,
     BigInteger,
     Boolean,
-    Float,
     Integer,
     String,
-    Table,
     and_,
     bindparam,
     exists,
     func,
-    insert,
     or_,
     select,
     true,
 )
 from sqlalchemy.dialects.postgresql import ARRAY
-from sqlalchemy.engine import Connection
-from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.compiler import compiles
-from sqlalchemy.orm import Session
 from sqlalchemy.sql import ColumnElement, Select
-from sqlalchemy.sql.elements import Null
 from sqlalchemy.sql.selectable import ScalarSelect
 from sqlalchemy.sql.visitors import InternalTraversal
 from sqlalchemy.types import TypeDecorator
@@ -444,156 +433,3 @@ def dispatch_counts(run_id: int, step: int, bound: int) -> Query:
     """Over-dispatch's two counts (`overdispatch.top_up`), one row: the live attempts of step
     `step`, and the parked groups generated with weights `bound` or newer."""
     return Query(_dispatch_counts(), {"run_id": run_id, "newest_step": step, "parked_bound": bound})
-
-
-# --- the writes --------------------------------------------------------------------------
-
-
-def insert_rows(executor: Session | Connection, table: Table, rows: list[dict[str, Any]]) -> None:
-    """Insert `rows` (dicts with the same keys) into `table`, as a Core `insert(table)` of
-    them would: a column they leave out takes its default, a JSON column's None is JSON null,
-    SQLAlchemy's `null()` SQL NULL.
-
-    On PostgreSQL with `COPY ... FROM STDIN`: a batch of results inserts about 90 rows into
-    three tables, which an executemany sends as one INSERT per row (pipelined, but each parsed,
-    planned and run by the server on its own: a fifth of the batch's time in `bench overhead`)
-    and `INSERT ... SELECT FROM unnest(...)` as arrays that psycopg spells element by element
-    in Python; COPY's rows are formatted in psycopg's C code and read by the server in one
-    pass (4.4 and 3.1 ms against 1.6 ms for 90 new attempts, bench/README.md). The engine's
-    `before_cursor_execute` and `after_cursor_execute` listeners see it as one executemany of
-    `rows`; a driver error comes out as SQLAlchemy's, as from `session.execute`, so that
-    `Ledger.transaction` retries what it would retry. Elsewhere (SQLite) an executemany."""
-    if not rows:
-        return
-    connection = executor.connection() if isinstance(executor, Session) else executor
-    dialect = connection.dialect
-    if dialect.name != "postgresql":
-        connection.execute(insert(table), rows)
-        return
-    names = list(rows[0])
-    columns = [driver_values(dialect, table.c[name], [row[name] for row in rows]) for name in names]
-    for column in table.columns:
-        if column.key not in rows[0] and column.default is not None:
-            if not column.default.is_scalar:
-                raise ValueError(f"insert_rows: give {table.name}.{column.key} a value (its default is computed)")
-            names.append(column.key)
-            columns.append(driver_values(dialect, column, [column.default.arg] * len(rows)))
-    statement = f"COPY {table.name} ({', '.join(names)}) FROM STDIN"
-    raw = connection.connection.driver_connection
-    # Listeners of the engine (statement counts, `bench overhead --rtt-ms`, tests) see the COPY
-    # as the statements they would have seen: `dispatch` calls each, a no-op when none.
-    connection.dispatch.before_cursor_execute(connection, None, statement, rows, None, True)
-    try:
-        with raw.cursor() as cursor, cursor.copy(statement) as copy:
-            for values in zip(*columns, strict=True):
-                copy.write_row(values)
-    except dialect.loaded_dbapi.Error as error:
-        raise _as_sqlalchemy_error(connection, statement, error) from error
-    connection.dispatch.after_cursor_execute(connection, None, statement, rows, None, True)
-
-
-#: True in `Connection.info` while the engine's `before_cursor_execute` listeners see a
-#: statement that goes out in the round trip of the one before it (`execute_pipelined`): a
-#: listener that stands for the network's latency (`bench overhead --rtt-ms`) charges one.
-PIPELINED = "refill.pipelined"
-
-
-def execute_pipelined(executor: Session | Connection, statements: list[tuple[str, dict[str, Any]]]) -> list[int]:
-    """Run `statements` (each SQL as psycopg takes it, with `%(name)s` parameters, and their
-    values) in order in one round trip, PostgreSQL only: psycopg's pipeline mode sends each
-    without waiting for the one before. Returns each one's row count.
-
-    A batch's changed rows go out as up to eight `UPDATE ... FROM unnest` statements, which
-    through SQLAlchemy would each wait for the one before. The engine's listeners see each
-    statement, as they see an executed one; an error comes out as SQLAlchemy's, as from
-    `session.execute`."""
-    connection = executor.connection() if isinstance(executor, Session) else executor
-    dialect = connection.dialect
-    raw = connection.connection.driver_connection
-    try:
-        for i, (statement, parameters) in enumerate(statements):
-            connection.info[PIPELINED] = i > 0
-            connection.dispatch.before_cursor_execute(connection, None, statement, parameters, None, False)
-    finally:
-        connection.info.pop(PIPELINED, None)
-    cursors = [raw.cursor() for _ in statements]
-    try:
-        with raw.pipeline():
-            for cursor, (statement, parameters) in zip(cursors, statements, strict=True):
-                cursor.execute(statement, parameters)
-        counts = [cursor.rowcount for cursor in cursors]
-    except dialect.loaded_dbapi.Error as error:
-        raise _as_sqlalchemy_error(connection, "; ".join(statement for statement, _ in statements), error) from error
-    finally:
-        for cursor in cursors:
-            cursor.close()
-    for statement, parameters in statements:
-        connection.dispatch.after_cursor_execute(connection, None, statement, parameters, None, False)
-    return counts
-
-
-def _as_sqlalchemy_error(connection: Connection, statement: str, error: Exception) -> DBAPIError:
-    """A driver's error as SQLAlchemy raises it from `execute` (so `Ledger.transaction` retries
-    what it would retry), the connection invalidated when the error says it is gone."""
-    dialect = connection.dialect
-    invalidated = dialect.is_disconnect(error, connection.connection.driver_connection, None)
-    if invalidated:
-        connection.invalidate(error)
-    return DBAPIError.instance(
-        statement, None, error, dialect.loaded_dbapi.Error, connection_invalidated=invalidated, dialect=dialect
-    )
-
-
-#: The Python type each column type's values are written as. COPY takes the driver's text
-#: of each value as it is, where a Core insert casts its parameter to the column's type: a bool
-#: in an integer column would be 't', not 1. An array parameter (`UPDATE ... FROM unnest`)
-#: must hold one type: psycopg refuses an int beside floats.
-_ITEM_TYPE: tuple[tuple[type, type], ...] = ((Boolean, bool), (Float, float), (Integer, int), (String, str))
-
-
-def driver_values(dialect: Any, column: Any, values: list[Any]) -> list[Any]:
-    """`column`'s values as the driver must get them for COPY or one array parameter: through
-    the column type's bind processor, a JSON value as its text, each value of the column's own
-    Python type (psycopg refuses a list of mixed types, such as an int beside floats)."""
-    kind = column.type
-    if isinstance(kind, JSON):
-        return [None if isinstance(value, Null) else json.dumps(value) for value in values]
-    process = kind._cached_bind_processor(dialect)
-    if process is not None:
-        values = [process(value) for value in values]
-    item = next((item for base, item in _ITEM_TYPE if isinstance(kind, base)), None)
-    if item is not None and not {type(value) for value in values} <= {item, NoneType}:
-        values = [None if value is None else item(value.value if isinstance(value, Enum) else value) for value in values]
-    return values
-
-
-def _quoted(value: str) -> str:
-    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-#: How `array_text` writes a value of each Python type an array parameter holds.
-_ELEMENT_TEXT: dict[type, Any] = {
-    int: str,
-    float: repr,  # the shortest exact form; 'nan', 'inf' and '-inf' are PostgreSQL's too
-    bool: lambda value: "t" if value else "f",
-    str: _quoted,
-    datetime: lambda value: '"' + value.isoformat(" ") + '"',
-}
-
-
-def array_text(values: list[Any]) -> str | list[Any]:
-    """`values` (one Python type and None, as `driver_values` returns them) as the text of a
-    PostgreSQL array, `{1,NULL,3}`, for a parameter the statement casts to the array's type;
-    the list itself for a type not written here (psycopg then spells it).
-
-    psycopg spells a list parameter element by element in Python, about 1 µs a number or a
-    string and 6 µs a timestamp: a batch's `UPDATE ... FROM unnest` sends a couple of thousand
-    values, about a tenth of its Python (bench/README.md). Joined here it is a tenth of that."""
-    kinds = {type(value) for value in values}
-    kinds.discard(NoneType)
-    if len(kinds) > 1:
-        return values
-    text = _ELEMENT_TEXT.get(kinds.pop()) if kinds else str
-    if text is None:
-        return values
-    return "{" + ",".join(["NULL" if value is None else text(value) for value in values]) + "}"

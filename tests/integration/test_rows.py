@@ -335,7 +335,7 @@ def _new_attempts(d: Driver, first_id: int) -> list[dict[str, object]]:
 
 
 def test_new_rows_go_in_as_one_statement_and_read_back_as_a_core_insert_writes_them(ledger) -> None:  # type: ignore[no-untyped-def]
-    """`sql.insert_rows` (a COPY on PostgreSQL) against SQLAlchemy's own `insert(table)` of
+    """`driver.insert_rows` (a COPY on PostgreSQL) against SQLAlchemy's own `insert(table)` of
     the same rows: every column reads back the same, defaults, JSON null against SQL NULL,
     an enum member, NaN and infinities, quotes and control characters included; listeners of
     the engine see it as one statement."""
@@ -343,7 +343,7 @@ def test_new_rows_go_in_as_one_statement_and_read_back_as_a_core_insert_writes_t
 
     from sqlalchemy import insert
 
-    from refill.models.sql import insert_rows
+    from refill.models.driver import insert_rows
 
     d = Driver(ledger, check=False)  # extras made by hand, not by the ledger's rules
     d.admit()
@@ -391,7 +391,7 @@ def test_new_rows_the_database_refuses_raise_sqlalchemys_error_and_leave_nothing
     import pytest
     from sqlalchemy.exc import IntegrityError
 
-    from refill.models.sql import insert_rows
+    from refill.models.driver import insert_rows
 
     d = Driver(pg_ledger, check=False)
     d.admit()
@@ -409,7 +409,7 @@ def test_new_rows_the_database_refuses_raise_sqlalchemys_error_and_leave_nothing
 
 
 def test_an_array_parameter_written_as_text_reads_back_as_the_list_itself(pg_ledger) -> None:  # type: ignore[no-untyped-def]
-    """`sql.array_text` spells an unnest column's values as the text of an array (psycopg's
+    """`driver.array_text` spells an unnest column's values as the text of an array (psycopg's
     own spelling of a list costs ten times more): every kind of value it writes, cast to its
     column's type, reads back as psycopg's spelling of the same list does, quotes, backslashes,
     braces, commas, the word NULL, empty and multi-line strings, NULLs, non-finite floats and
@@ -419,7 +419,7 @@ def test_an_array_parameter_written_as_text_reads_back_as_the_list_itself(pg_led
 
     from sqlalchemy import text
 
-    from refill.models.sql import array_text
+    from refill.models.driver import array_text
 
     columns = {
         "bigint": [1, None, -(2**62), 0],
@@ -460,7 +460,7 @@ def test_a_writes_updates_go_out_in_one_round_trip_and_a_refused_one_raises_sqla
     from psycopg import pq
     from sqlalchemy.exc import IntegrityError
 
-    from refill.models.sql import PIPELINED
+    from refill.models.driver import PIPELINED
 
     d = Driver(pg_ledger, check=False)  # rows changed by hand, not by the ledger's rules
     d.admit()
