@@ -16,15 +16,16 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from sqlalchemy import Engine, RowMapping, bindparam, create_engine, event, func, select
+from sqlalchemy import Engine, bindparam, create_engine, event, func, select
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
+from refill.models import driver
 from refill.models.clock import remember_ledger_now
 from refill.models.tables import Run
 
@@ -193,7 +194,7 @@ _LOCK_RUN = (
 )
 
 
-def lock_run(session: Session, run_id: int) -> RowMapping:
+def lock_run(session: Session, run_id: int) -> Mapping[str, Any]:
     """Read a run's row (its columns, as a mapping) and hold its lock until the transaction
     ends.
 
@@ -212,11 +213,12 @@ def lock_run(session: Session, run_id: int) -> RowMapping:
     # not the key-share locks that other transactions' foreign-key checks take on the run's
     # row (a relay marking outbox rows sent, a worker's writes), which would otherwise queue
     # behind every batch and could close a deadlock with it.
-    found = session.execute(_LOCK_RUN, {"run_id": run_id}).mappings().first()
-    if found is None:
+    found = driver.rows(session, _LOCK_RUN, {"run_id": run_id})
+    if not found:
         raise UnknownRun(run_id)
-    remember_ledger_now(session, found["refill_now"])
-    return found
+    row = found[0]._asdict()
+    remember_ledger_now(session, row["refill_now"])
+    return row
 
 
 class UnknownRun(LookupError):

@@ -1,23 +1,104 @@
 """Statements the ledger runs on psycopg directly, past SQLAlchemy's execution (PostgreSQL;
-elsewhere each falls back to SQLAlchemy): new rows as one `COPY` (`insert_rows`), a batch's
-UPDATEs in one round trip (`execute_pipelined`), and the spellings they need (`driver_values`,
-`array_text`). Each keeps what SQLAlchemy's execution gives its callers: the engine's cursor
-listeners see the statement, and a driver error comes out as SQLAlchemy's (so that
-`Ledger.transaction` retries what it would retry)."""
+elsewhere each falls back to SQLAlchemy): the reads that run every batch or relay pass
+(`rows`), new rows as one `COPY` (`insert_rows`), a batch's UPDATEs in one round trip
+(`execute_pipelined`), and the spellings they need (`driver_values`, `array_text`). Each keeps
+what SQLAlchemy's execution gives its callers: the engine's cursor listeners see the statement,
+and a driver error comes out as SQLAlchemy's (so that `Ledger.transaction` retries what it
+would retry)."""
 
 from __future__ import annotations
 
 import json
+from collections import namedtuple
+from collections.abc import Callable
 from datetime import datetime
 from enum import Enum
+from functools import lru_cache
 from types import NoneType
 from typing import Any
 
 from sqlalchemy import JSON, Boolean, Float, Integer, String, Table, insert
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import Connection, Dialect
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
+from sqlalchemy.sql import Executable
+from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.elements import Null
+
+
+def rows(session: Session, statement: Executable, params: dict[str, Any]) -> list[Any]:
+    """The rows `statement` (a read built once, as `sql.Query` keeps them) returns for
+    `params`, as SQLAlchemy's `session.execute(statement, params).all()` returns them: tuples
+    whose columns are attributes too, each value through its column type's result processor.
+
+    On PostgreSQL the statement is compiled once and run on psycopg's cursor: SQLAlchemy's
+    execution of a built statement still costs 0.3 to 0.7 ms of Python each time (the execution
+    context, parameters and result set up anew), about a tenth of a batch of results' own
+    Python in `bench overhead` over the joint read, the run's lock and the relay's reads
+    (bench/README.md, stop 40). The session's transaction is the one it runs in; a session
+    that autoflushes is flushed first, as `execute` would."""
+    if session.autoflush and (session.new or session.dirty or session.deleted):
+        session.flush()
+    connection = session.connection()
+    dialect = connection.dialect
+    if dialect.name != "postgresql":
+        return list(session.execute(statement, params).all())
+    shape = _compiled(statement, dialect)
+    expanded = shape.compiled.construct_expanded_state(params)
+    values = dict(expanded.parameters)
+    for name, process in expanded.processors.items():
+        if name in values:
+            values[name] = process(values[name])
+    sql_text = expanded.statement
+    connection.dispatch.before_cursor_execute(connection, None, sql_text, values, None, False)
+    raw = connection.connection.driver_connection
+    try:
+        with raw.cursor() as cursor:
+            cursor.execute(sql_text, values)
+            found = cursor.fetchall()
+            processors = shape.processors_for(dialect, cursor.description)
+    except dialect.loaded_dbapi.Error as error:
+        raise _as_sqlalchemy_error(connection, sql_text, error) from error
+    connection.dispatch.after_cursor_execute(connection, None, sql_text, values, None, False)
+    make = shape.row
+    if processors:
+        return [make(*(value if p is None else p(value) for p, value in zip(processors, values, strict=True))) for values in found]
+    return [make(*values) for values in found]
+
+
+class _Shape:
+    """A statement compiled for `rows`, with what reading its rows takes."""
+
+    __slots__ = ("compiled", "row", "types", "processors")
+
+    def __init__(self, compiled: SQLCompiler) -> None:
+        self.compiled = compiled
+        columns = compiled._result_columns
+        #: a tuple class with the statement's column names, as SQLAlchemy's rows have them
+        self.row: Callable[..., Any] = namedtuple("Row", [column.keyname for column in columns], rename=True)  # type: ignore[misc]
+        self.types = [column.type for column in columns]
+        #: each column's result processor (None where it has none), or () where none has one;
+        #: None until the first execution, whose cursor says the database's type of each
+        #: column (a processor may depend on it: a float column read from a numeric)
+        self.processors: tuple[Callable[[Any], Any] | None, ...] | None = None
+
+    def processors_for(self, dialect: Dialect, description: Any) -> tuple[Callable[[Any], Any] | None, ...]:
+        if self.processors is None:
+            found = tuple(
+                kind._cached_result_processor(dialect, column.type_code)
+                for kind, column in zip(self.types, description, strict=True)
+            )
+            self.processors = found if any(p is not None for p in found) else ()
+        return self.processors
+
+
+@lru_cache(maxsize=512)
+def _compiled(statement: Executable, dialect: Dialect) -> _Shape:
+    """`statement` compiled for `dialect`, once: the statements `rows` runs are built once, so
+    the object is its key (as it is SQLAlchemy's cache key's)."""
+    compiled = statement.compile(dialect=dialect)
+    assert isinstance(compiled, SQLCompiler)
+    return _Shape(compiled)
 
 
 def insert_rows(executor: Session | Connection, table: Table, rows: list[dict[str, Any]]) -> None:

@@ -24,7 +24,7 @@ from sqlalchemy.dialects.postgresql import aggregate_order_by
 from sqlalchemy.orm import Session
 from sqlalchemy.sql import ColumnElement, Select
 
-from refill.models import sql
+from refill.models import driver, sql
 from refill.models.column_types import UTCDateTime
 
 
@@ -81,7 +81,7 @@ def fetch(session: Session, reads: Sequence[Read]) -> list[list[list[Any]] | Non
             if params.setdefault(name, value) != value:
                 raise ValueError(f"load_all: two reads give parameter {name} different values")
     statement = _together(tuple((read.cls, read.extra, read.query.statement, read.when) for read in reads))
-    found = session.execute(statement, params).one()
+    [found] = driver.rows(session, statement, params)
     out: list[list[list[Any]] | None] = []
     for read, value_rows in zip(reads, found, strict=True):
         if value_rows is None:  # its `when` did not hold

@@ -20,6 +20,7 @@ from sqlalchemy import DateTime, Interval, bindparam, case, delete, func, or_, s
 from sqlalchemy.orm import Session
 
 from refill.config import from_snapshot
+from refill.models import driver
 from refill.models.column_types import UTCDateTime
 from refill.models.payload import GenerateMessage
 from refill.models.settings import LedgerSettings, cached_settings, settings_for
@@ -174,7 +175,7 @@ def _sendable_attempts(session: Session, attempt_ids: list[int]) -> tuple[dict[i
         return {}, set()
     attempts_table = Attempt.__table__
     sendable_states = (AttemptState.PENDING.value, AttemptState.QUEUED.value)
-    found = {row.id: row for row in session.execute(_SENDABLE, {"ids": attempt_ids}).all()}
+    found = {row.id: row for row in driver.rows(session, _SENDABLE, {"ids": attempt_ids})}
     others = [attempt for attempt in attempt_ids if attempt not in found]
     busy: set[int] = set()
     if others:
@@ -224,7 +225,7 @@ def _due_rows(
         params["kind"] = kind
     # Plain rows, not ORM objects, and one UPDATE per kind of change below: a relay pass
     # handles up to `limit` rows, and the ORM's per-object bookkeeping cost more than the SQL.
-    return list(session.execute(_due_statement(ids is not None, run_id is not None, kind is not None, sql_now), params).all())
+    return driver.rows(session, _due_statement(ids is not None, run_id is not None, kind is not None, sql_now), params)
 
 
 @cache

@@ -1,0 +1,99 @@
+"""Reads run on psycopg directly (`models/driver.py:rows`): the same rows as SQLAlchemy's
+execution, on either ledger, with what SQLAlchemy's execution gives its callers (listeners,
+its errors, the session's transaction and autoflush)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import pytest
+from sqlalchemy import bindparam, event, func, select, text
+from sqlalchemy.exc import DBAPIError
+
+from refill.models import driver
+from refill.models.db import lock_run
+from refill.models.sql import ids_param
+from refill.models.tables import Attempt, Run, RunStatus
+from tests.support.driver import Driver
+
+_attempts, _runs = Attempt.__table__, Run.__table__
+
+#: Built once, as the ledger's reads are: a timestamp, a float, JSON, a nullable column, an
+#: array parameter, an expanding list and a label.
+_READ = (
+    select(
+        _attempts.c.id,
+        _attempts.c.created_at,
+        _attempts.c.reward_mean,
+        _attempts.c.state,
+        _attempts.c.slot_idx,
+        (_attempts.c.try_no + 1).label("next_try"),
+    )
+    .where(ids_param(_attempts.c.id, "ids"), _attempts.c.slot_idx.in_(bindparam("slots", expanding=True)))
+    .order_by(_attempts.c.id)
+)
+_RUN = select(_runs.c.id, _runs.c.config, _runs.c.status, func.now().label("refill_now")).where(_runs.c.id == bindparam("run_id"))
+
+
+def test_a_read_on_the_driver_returns_what_sqlalchemy_returns(ledger) -> None:  # type: ignore[no-untyped-def]
+    d = Driver(ledger)
+    d.admit()
+    first = sorted(d.live(), key=lambda a: a.id)[:5]
+    params = {"ids": [a.id for a in first], "slots": [a.slot_idx for a in first[:3]]}
+    with ledger.session() as session:
+        expected = session.execute(_READ, params).all()
+        found = driver.rows(session, _READ, params)
+        assert [tuple(row) for row in found] == [tuple(row) for row in expected]
+        # Only the attempts of the listed slots (the first five may share a slot across steps).
+        assert 3 <= len(found) < 5 and {r.slot_idx for r in found} == set(params["slots"])
+        row = found[0]
+        assert (row.id, row.state, row.next_try) == (first[0].id, first[0].state, first[0].try_no + 1)
+        # Read back timezone-aware on both ledgers (UTCDateTime's result processor).
+        assert isinstance(row.created_at, datetime) and row.created_at.tzinfo is not None
+        assert row.reward_mean is None
+        run = driver.rows(session, _RUN, {"run_id": d.run_id})
+        assert run[0].config == session.execute(_RUN, {"run_id": d.run_id}).one().config
+        assert isinstance(run[0].config, dict) and run[0].status == RunStatus.RUNNING.value
+        # Another parameter set of the same statement: a longer expanding list.
+        again = driver.rows(session, _READ, {**params, "slots": [a.slot_idx for a in first]})
+        assert [r.id for r in again] == [a.id for a in first]
+
+
+def test_a_read_on_the_driver_is_seen_by_listeners_and_fails_as_sqlalchemy_does(pg_ledger) -> None:  # type: ignore[no-untyped-def]
+    seen: list[str] = []
+
+    def listen(conn, cursor, statement, parameters, context, executemany):  # type: ignore[no-untyped-def]
+        seen.append(statement)
+
+    d = Driver(pg_ledger)
+    event.listen(pg_ledger.engine, "before_cursor_execute", listen)
+    try:
+        with pg_ledger.session() as session:
+            driver.rows(session, _RUN, {"run_id": d.run_id})
+    finally:
+        event.remove(pg_ledger.engine, "before_cursor_execute", listen)
+    assert len(seen) == 1 and "FROM runs" in seen[0]
+
+    broken = select(text("1 / 0"))
+    with pg_ledger.session() as session, pytest.raises(DBAPIError, match="division by zero"):
+        driver.rows(session, broken, {})
+
+
+def test_a_read_on_the_driver_runs_in_the_sessions_transaction(pg_ledger) -> None:  # type: ignore[no-untyped-def]
+    """It sees what the session wrote and has not committed (an autoflushing session's pending
+    objects flushed first), and a lock it takes is the session's, held to its end."""
+    d = Driver(pg_ledger)
+    with pg_ledger.session() as session:
+        run = session.get(Run, d.run_id)
+        run.status = RunStatus.STOPPED.value  # pending, not flushed
+        assert session.autoflush
+        [row] = driver.rows(session, _RUN, {"run_id": d.run_id})
+        assert row.status == RunStatus.STOPPED.value
+        session.rollback()
+    with pg_ledger.session() as holder, pg_ledger.session() as other:
+        found = lock_run(holder, d.run_id)
+        assert found["id"] == d.run_id and found["refill_now"].tzinfo is not None
+        other.execute(text("SET LOCAL lock_timeout = '100ms'"))
+        with pytest.raises(DBAPIError, match="lock timeout"):
+            lock_run(other, d.run_id)
+    assert datetime.now(UTC) > found["refill_now"]
