@@ -199,7 +199,11 @@ class RowStore:
         are newer than what the database holds until they are written. With `refresh` (a read
         that locks the rows), the columns this operation did not change take the values read:
         another transaction may have written them since the row was first read."""
-        result = self.session.execute(*as_query(statement))
+        if isinstance(statement, sql.Query):
+            # Built once for its shape: compiled once, run on the driver.
+            found = driver.rows(self.session, *statement)
+            return self.adopt(cls, found[0]._fields if found else (), found, refresh=refresh)
+        result = self.session.execute(statement)
         # All at once: iterating a result fetches it from the cursor a row at a time.
         return self.adopt(cls, tuple(result.keys()), result.all(), refresh=refresh)
 
