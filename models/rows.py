@@ -12,8 +12,8 @@ same), and writes what changed when the operation flushes:
    `UPDATE t SET c = v.c FROM unnest(:ids, :c...) AS v(...)` with one array parameter per
    column, a write's every UPDATE sent in one round trip (`driver.execute_pipelined`), elsewhere
    an executemany. A row's changes are found by comparing the columns set
-   since it was read or last written (`Row._set`) with the values it held then, so a column
-   nobody set is never written back:
+   since it was read or last written with the values they held then (`Row._set`, kept by the
+   row as each column is first set), so a column nobody set is never written back:
    a worker's heartbeat or lease handshake, committed meanwhile to other columns of the same
    attempt, survives.
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import cache, lru_cache
+from types import MappingProxyType
 from typing import Any, ClassVar, NamedTuple
 
 from sqlalchemy import (
@@ -47,30 +48,35 @@ from refill.models.joint_read import Read, as_query
 from refill.models.tables import Attempt, Group, Outbox, Run, Slot, SparePrompt, Step
 
 _MISSING = object()
+#: `Row._set` of a row not inserted yet: its insert writes it whole, so nothing is kept.
+_NEW: Mapping[str, Any] = MappingProxyType({})
 
 
 class Row:
     """A table row as a plain object: one attribute per column read (or set).
 
     Its `__dict__` holds the row's values and nothing else: it is what a write compares and
-    sends. `_set`, a slot outside it, names the columns set since the row was last written,
-    so that a write compares those rather than every column of every row it holds."""
+    sends. `_set`, a slot outside it, maps each column set since the row was last read or
+    written to the value it held then (what the database holds), so that a write compares
+    those rather than every column of every row it holds, and no row is copied to be compared
+    later; None when none was set, `_NEW` for a row not inserted yet."""
 
     __slots__ = ("__dict__", "_set")
     table: ClassVar[Table]
 
-    def __init__(self, values: dict[str, Any]) -> None:
+    def __init__(self, values: dict[str, Any], new: bool = False) -> None:
         # The row's own dict: loaded rows build one per row anyway.
         object.__setattr__(self, "__dict__", values)
-        object.__setattr__(self, "_set", None)
+        object.__setattr__(self, "_set", _NEW if new else None)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        self.__dict__[name] = value
+        values = self.__dict__
         touched = self._set
         if touched is None:
-            object.__setattr__(self, "_set", {name})
-        else:
-            touched.add(name)
+            object.__setattr__(self, "_set", {name: values.get(name, _MISSING)})
+        elif touched is not _NEW and name not in touched:
+            touched[name] = values.get(name, _MISSING)
+        values[name] = value
 
     def __repr__(self) -> str:
         shown = ", ".join(f"{k}={v!r}" for k, v in self.__dict__.items() if k in _REPR.get(type(self), ()))
@@ -108,6 +114,23 @@ class OutboxRow(Row):
 def _written(row: Row) -> None:
     """`row` holds what the database holds (read, or just written)."""
     object.__setattr__(row, "_set", None)
+
+
+def _saved_values(row: Row) -> dict[str, Any] | None:
+    """`row`'s columns as the database holds them (those read or written); None for a row not
+    inserted yet."""
+    touched = row._set
+    if touched is _NEW:
+        return None
+    if not touched:
+        return row.__dict__
+    saved = dict(row.__dict__)
+    for name, before in touched.items():
+        if before is _MISSING:
+            del saved[name]  # set here, never read: not known here
+        else:
+            saved[name] = before
+    return saved
 
 
 _REPR: dict[type, tuple[str, ...]] = {
@@ -184,8 +207,6 @@ class RowStore:
             GroupRow: self.groups,
             SpareRow: self.spares,
         }
-        #: id(row) -> the column values the database holds for it (as read, or last written)
-        self._saved: dict[int, dict[str, Any]] = {}
         self._new: dict[type[Row], list[Row]] = {cls: [] for cls in _INSERT_ORDER}
         #: how many times rows were written to the database: a count read before a write is
         #: not the database's count after it (see `unwritten_change`)
@@ -212,14 +233,12 @@ class RowStore:
         rows = []
         found = self._maps[cls]
         key_of = _KEYS[cls]
-        saved = self._saved
         for values in value_rows:
             own = dict(zip(names, values, strict=True))
             key = key_of(own)
             row = found.get(key)
             if row is None:
                 row = found[key] = cls(own)
-                saved[id(row)] = own.copy()
             elif refresh:
                 self._refresh(row, own)
             rows.append(row)
@@ -259,14 +278,16 @@ class RowStore:
         return out
 
     def _refresh(self, row: Row, read: dict[str, Any]) -> None:
-        saved = self._saved.get(id(row))
-        if saved is None:
+        touched = row._set
+        if touched is _NEW:
             return
         current = row.__dict__
         for name, value in read.items():
-            if current.get(name, _MISSING) == saved.get(name, _MISSING):
-                current[name] = value
-                saved[name] = value
+            if touched is None or name not in touched:
+                current[name] = value  # not set here: what the database holds now
+            elif current.get(name, _MISSING) == touched[name]:
+                current[name] = value  # set back to what it held: as not set
+                touched[name] = value
 
     def load_with(self, cls: type[Row], statement: Select | sql.Query) -> list[tuple[Any, tuple[Any, ...]]]:
         """`load` for a statement that selects more than the table's columns: each row with
@@ -288,22 +309,26 @@ class RowStore:
 
     def saved(self, row: Row, column: str) -> Any:
         """`column` of `row` as the database holds it (None for a row not written yet)."""
-        values = self._saved.get(id(row))
+        values = _saved_values(row)
         return None if values is None else values.get(column)
 
     def changed(self, row: Row) -> bool:
         """Whether `row` holds anything the database does not (a new row, or a changed one)."""
-        saved = self._saved.get(id(row))
-        return saved is None or row.__dict__ != saved
+        touched = row._set
+        if touched is _NEW:
+            return True
+        current = row.__dict__
+        return bool(touched) and any(current.get(name, _MISSING) != before for name, before in touched.items())
 
     def unwritten_change(self, cls: type[Row], counts: Callable[[dict[str, Any]], bool]) -> int:
         """How many more rows of `cls` here `counts` would count once written than as the
         database holds them now: a count read from the database plus this is the count after
         the next `write`, without writing first (a new row counts from nothing)."""
-        saved_of = self._saved
         change = 0
         for row in self._maps[cls].values():
-            saved = saved_of.get(id(row))
+            if row._set is None:
+                continue  # as the database holds it
+            saved = _saved_values(row)
             change += counts(row.__dict__) - (saved is not None and counts(saved))
         return change
 
@@ -315,12 +340,11 @@ class RowStore:
         (`IdBlocks`) on PostgreSQL; elsewhere (SQLite) the row is inserted at once and the
         database numbers it."""
         shape = _insert_shape(cls.table)
-        row = cls({**shape.blank, **values})
+        row = cls({**shape.blank, **values}, new=True)
         if shape.has_id and row.id is None:
             table = cls.table
             row.id = self.session.execute(insert(table).values(_insert_values(table, [row])[0]).returning(table.c.id)).scalar_one()
             self.writes += 1
-            self._saved[id(row)] = dict(row.__dict__)
             _written(row)
         else:
             self._new[cls].append(row)
@@ -336,9 +360,11 @@ class RowStore:
         if row is None:
             return
         row.__dict__.update(values)
-        saved = self._saved.get(id(row))
-        if saved is not None:
-            saved.update(values)
+        touched = row._set
+        if touched and touched is not _NEW:
+            # What the database holds now: a column set here to one of these is no change.
+            for name in touched.keys() & values.keys():
+                touched[name] = values[name]
 
     # --- writing -------------------------------------------------------------------------
 
@@ -352,7 +378,6 @@ class RowStore:
             self._new[cls] = []
             driver.insert_rows(self.session, cls.table, _insert_values(cls.table, new))
             for row in new:
-                self._saved[id(row)] = dict(row.__dict__)
                 _written(row)
             written += len(new)
         updates: list[tuple[Table, list[str], list[Row]]] = []
@@ -366,17 +391,13 @@ class RowStore:
     def _changes(self, cls: type[Row], updates: list[tuple[Table, list[str], list[Row]]]) -> int:
         """Add to `updates` the UPDATEs of `cls`'s changed rows (table, columns, rows) and take
         the rows as written; returns how many rows they write."""
-        saved = self._saved
         shapes: dict[frozenset[str], list[Row]] = {}
         for row in self._maps[cls].values():
             touched = row._set
-            if touched is None:
-                continue
-            before = saved.get(id(row))
-            if before is None:
-                continue  # not inserted yet: its insert writes it whole
+            if not touched:
+                continue  # none set (None), or not inserted yet (`_NEW`: its insert writes it whole)
             current = row.__dict__
-            keys = frozenset(k for k in touched if current[k] != before.get(k, _MISSING))
+            keys = frozenset(k for k, before in touched.items() if current[k] != before)
             if keys:
                 shapes.setdefault(keys, []).append(row)
             else:
@@ -397,7 +418,6 @@ class RowStore:
             # the same rows wait for each other rather than deadlock.
             updates.append((cls.table, sorted(keys), sorted(rows, key=lambda row: key_of(row.__dict__))))
             for row in rows:
-                saved[id(row)] = dict(row.__dict__)
                 _written(row)
         return sum(len(rows) for rows in shapes.values())
 

@@ -11,7 +11,7 @@ from sqlalchemy import event, select, update
 
 from refill.models.context import ATTEMPT_COLUMNS, SLOT_COLUMNS
 from refill.models.rows import AttemptRow, RowStore, SlotRow, SpareRow
-from refill.models.tables import Attempt, Slot, SparePrompt
+from refill.models.tables import Attempt, Outbox, Slot, SparePrompt
 from tests.support.driver import FLAT, SPREAD, Driver
 
 
@@ -123,6 +123,43 @@ def test_a_row_set_back_to_what_it_held_is_not_written_and_a_later_change_is(led
         session.commit()
     assert (d.attempt(first.id).error, d.attempt(first.id).num_tokens) == ("kept", None)
     assert (d.attempt(second.id).error, d.attempt(second.id).num_tokens) == (None, 11)
+
+
+def test_a_new_row_is_inserted_whole_then_compared_like_a_read_one(pg_ledger) -> None:  # type: ignore[no-untyped-def]
+    """A row made here is inserted with every change made before its insert and no UPDATE;
+    after it, `saved` answers what the database holds and a change is written alone. A column
+    another statement wrote (`patched`) is what the database holds: setting a row to it writes
+    nothing."""
+    from refill.models.rows import OutboxRow
+
+    ledger = pg_ledger  # SQLite inserts a new row at once (it numbers it)
+    d = Driver(ledger, check=False)
+    d.admit()
+    with updates(ledger) as seen, ledger.session() as session:
+        store = RowStore(session)
+        attempts, slots = _load(store, d.run_id)
+        when = datetime(2026, 1, 1, tzinfo=UTC)
+        values = {"run_id": d.run_id, "kind": "generate", "attempt_id": attempts[0].id, "payload": {}, "created_at": when, "available_at": when, "send_count": 0}
+        note = store.new(OutboxRow, {**values, "id": 10**9})  # its id drawn (IdBlocks)
+        assert store.changed(note) and store.saved(note, "send_count") is None
+        note.send_count = 3  # before its insert: inserted with it
+        first = attempts[0]
+        first.error = "made"
+        store.write()
+        assert seen and not any("outbox" in statement.split()[1] for statement in seen)
+        assert store.saved(note, "send_count") == 3 and not store.changed(note)
+        assert store.saved(first, "error") == "made" and not store.changed(first)
+        first.error = "changed"
+        assert store.saved(first, "error") == "made" and store.changed(first)
+        store.patched(AttemptRow, first.id, error="by another")  # the database holds it now
+        assert first.error == "by another" and not store.changed(first)
+        seen.clear()
+        assert store.write() == 0 and seen == []
+        slots[0].filtered += 1
+        assert store.write() == 1 and len(seen) == 1 and "filtered" in seen[0]
+        session.commit()
+    with ledger.session() as session:
+        assert session.scalar(select(Outbox.send_count).where(Outbox.id == note.id)) == 3
 
 
 def test_a_batch_of_results_records_the_same_on_both_ledgers(ledger) -> None:  # type: ignore[no-untyped-def]
