@@ -12,7 +12,7 @@ from sqlalchemy.exc import DBAPIError
 
 from refill.models import driver
 from refill.models.db import lock_run
-from refill.models.sql import ids_param
+from refill.models.sql import ids_param, literal, literal_in
 from refill.models.tables import Attempt, Run, RunStatus
 from tests.support.driver import Driver
 
@@ -32,13 +32,20 @@ _READ = (
     .where(ids_param(_attempts.c.id, "ids"), _attempts.c.slot_idx.in_(bindparam("slots", expanding=True)))
     .order_by(_attempts.c.id)
 )
+#: Constants written into the SQL (`sql.literal`, `sql.literal_in`): written in once, at compile.
+_LIVE_OF_RUN = (
+    select(_attempts.c.id, _attempts.c.state)
+    .where(_attempts.c.run_id == bindparam("run_id"), literal_in(_attempts.c.state, ("pending", "queued")), _attempts.c.reason != literal("none"))
+    .order_by(_attempts.c.id)
+)
 _RUN = select(_runs.c.id, _runs.c.config, _runs.c.status, func.now().label("refill_now")).where(_runs.c.id == bindparam("run_id"))
 
 
 def test_a_read_on_the_driver_returns_what_sqlalchemy_returns(ledger) -> None:  # type: ignore[no-untyped-def]
     d = Driver(ledger)
     d.admit()
-    first = sorted(d.live(), key=lambda a: a.id)[:5]
+    live_attempts = d.live()
+    first = sorted(live_attempts, key=lambda a: a.id)[:5]
     params = {"ids": [a.id for a in first], "slots": [a.slot_idx for a in first[:3]]}
     with ledger.session() as session:
         expected = session.execute(_READ, params).all()
@@ -57,6 +64,13 @@ def test_a_read_on_the_driver_returns_what_sqlalchemy_returns(ledger) -> None:  
         # Another parameter set of the same statement: a longer expanding list.
         again = driver.rows(session, _READ, {**params, "slots": [a.slot_idx for a in first]})
         assert [r.id for r in again] == [a.id for a in first]
+        live = driver.rows(session, _LIVE_OF_RUN, {"run_id": d.run_id})
+        assert live == session.execute(_LIVE_OF_RUN, {"run_id": d.run_id}).all()
+        assert len(live) == len(live_attempts) and {r.state for r in live} <= {"pending", "queued"}
+    if ledger.engine.dialect.name == "postgresql":
+        # Its text fixed once; a statement with a list given per execution is written each time.
+        assert driver._compiled(_LIVE_OF_RUN, ledger.engine.dialect).fixed is not None
+        assert driver._compiled(_READ, ledger.engine.dialect).fixed is None
 
 
 def test_a_read_on_the_driver_is_seen_by_listeners_and_fails_as_sqlalchemy_does(pg_ledger) -> None:  # type: ignore[no-untyped-def]
