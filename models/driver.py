@@ -43,6 +43,45 @@ def rows(session: Session, statement: Executable, params: dict[str, Any]) -> lis
     dialect = connection.dialect
     if dialect.name != "postgresql":
         return list(session.execute(statement, params).all())
+    shape, sql_text, values = _bound(dialect, statement, params)
+    connection.dispatch.before_cursor_execute(connection, None, sql_text, values, None, False)
+    raw = connection.connection.driver_connection
+    try:
+        with raw.cursor() as cursor:
+            cursor.execute(sql_text, values)
+            found = cursor.fetchall()
+            readers = shape.readers(dialect, cursor.description)
+    except dialect.loaded_dbapi.Error as error:
+        raise _as_sqlalchemy_error(connection, sql_text, error) from error
+    connection.dispatch.after_cursor_execute(connection, None, sql_text, values, None, False)
+    make = shape.row
+    if not readers:
+        return [make(*values) for values in found]
+    out = []
+    for values in found:
+        row = list(values)
+        for i, read in readers:
+            row[i] = read(row[i])
+        out.append(make(*row))
+    return out
+
+
+def execute(session: Session, statements: list[tuple[Executable, dict[str, Any]]]) -> list[int]:
+    """Run `statements` (writes built once, each with its parameters) in order, in one round
+    trip on PostgreSQL (`execute_pipelined`, compiled once as for `rows`); returns each one's
+    row count."""
+    if session.autoflush and (session.new or session.dirty or session.deleted):
+        session.flush()
+    connection = session.connection()
+    dialect = connection.dialect
+    if dialect.name != "postgresql":
+        return [session.execute(statement, params).rowcount for statement, params in statements]
+    return execute_pipelined(session, [_bound(dialect, statement, params)[1:] for statement, params in statements])
+
+
+def _bound(dialect: Dialect, statement: Executable, params: dict[str, Any]) -> tuple[_Shape, str, dict[str, Any]]:
+    """`statement`'s compiled form, SQL text and parameter values, as psycopg takes them, for
+    `params`."""
     shape = _compiled(statement, dialect)
     if shape.fixed is not None:
         sql_text, values, processors = shape.fixed, shape.compiled.construct_params(params), shape.bind_processors
@@ -52,26 +91,13 @@ def rows(session: Session, statement: Executable, params: dict[str, Any]) -> lis
     for name, process in processors.items():
         if name in values:
             values[name] = process(values[name])
-    connection.dispatch.before_cursor_execute(connection, None, sql_text, values, None, False)
-    raw = connection.connection.driver_connection
-    try:
-        with raw.cursor() as cursor:
-            cursor.execute(sql_text, values)
-            found = cursor.fetchall()
-            readers = shape.processors_for(dialect, cursor.description)
-    except dialect.loaded_dbapi.Error as error:
-        raise _as_sqlalchemy_error(connection, sql_text, error) from error
-    connection.dispatch.after_cursor_execute(connection, None, sql_text, values, None, False)
-    make = shape.row
-    if readers:
-        return [make(*(value if p is None else p(value) for p, value in zip(readers, values, strict=True))) for values in found]
-    return [make(*values) for values in found]
+    return shape, sql_text, values
 
 
 class _Shape:
     """A statement compiled for `rows`, with what reading its rows takes."""
 
-    __slots__ = ("compiled", "fixed", "bind_processors", "row", "types", "processors")
+    __slots__ = ("compiled", "fixed", "bind_processors", "row", "types", "_readers")
 
     def __init__(self, compiled: SQLCompiler) -> None:
         self.compiled = compiled
@@ -94,19 +120,16 @@ class _Shape:
         #: a tuple class with the statement's column names, as SQLAlchemy's rows have them
         self.row: Callable[..., Any] = namedtuple("Row", [column.keyname for column in columns], rename=True)  # type: ignore[misc]
         self.types = [column.type for column in columns]
-        #: each column's result processor (None where it has none), or () where none has one;
-        #: None until the first execution, whose cursor says the database's type of each
-        #: column (a processor may depend on it: a float column read from a numeric)
-        self.processors: tuple[Callable[[Any], Any] | None, ...] | None = None
+        #: (position, result processor) of each column that has one; None until the first
+        #: execution, whose cursor says the database's type of each column (a processor may
+        #: depend on it: a float column read from a numeric)
+        self._readers: list[tuple[int, Callable[[Any], Any]]] | None = None
 
-    def processors_for(self, dialect: Dialect, description: Any) -> tuple[Callable[[Any], Any] | None, ...]:
-        if self.processors is None:
-            found = tuple(
-                kind._cached_result_processor(dialect, column.type_code)
-                for kind, column in zip(self.types, description, strict=True)
-            )
-            self.processors = found if any(p is not None for p in found) else ()
-        return self.processors
+    def readers(self, dialect: Dialect, description: Any) -> list[tuple[int, Callable[[Any], Any]]]:
+        if self._readers is None:
+            found = (kind._cached_result_processor(dialect, column.type_code) for kind, column in zip(self.types, description, strict=True))
+            self._readers = [(i, read) for i, read in enumerate(found) if read is not None]
+        return self._readers
 
 
 @lru_cache(maxsize=512)

@@ -436,9 +436,11 @@ def mark_sent(session: Session, sent: list[Outgoing], now: datetime) -> None:
     for message in sent:
         by_sender.setdefault(message.sender, []).append(message.outbox_id)
     sql_now, clock = _clock(now)
+    # Both kinds of UPDATE go out together, in one round trip (`driver.execute`).
+    writes: list[tuple[Any, dict[str, Any]]] = []
     for sender, outbox_ids in by_sender.items():
         by = {} if sender is None else {"sender": sender}
-        session.execute(_mark_sent(sender is not None, sql_now), {"ids": outbox_ids, **clock, **by})
+        writes.append((_mark_sent(sender is not None, sql_now), {"ids": outbox_ids, **clock, **by}))
     by_timeout: dict[float, list[int]] = {}
     for message in sent:
         if message.kind == OutboxKind.GENERATE.value:
@@ -453,7 +455,8 @@ def mark_sent(session: Session, sent: list[Outgoing], now: datetime) -> None:
         # `claim_outbox` locked their rows in this transaction (the relay's way): no wait here.
         timeout = timedelta(seconds=seconds)
         lease = {"timeout": timeout} if sql_now else {"until": now + timeout}
-        session.execute(_mark_queued(sql_now), {"ids": attempt_ids, **lease, **clock})
+        writes.append((_mark_queued(sql_now), {"ids": attempt_ids, **lease, **clock}))
+    driver.execute(session, writes)
 
 
 def _now(sql_now: bool) -> Any:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 import pytest
-from sqlalchemy import bindparam, event, func, select, text
+from sqlalchemy import bindparam, event, func, select, text, update
 from sqlalchemy.exc import DBAPIError
 
 from refill.models import driver
@@ -111,3 +111,34 @@ def test_a_read_on_the_driver_runs_in_the_sessions_transaction(pg_ledger) -> Non
         with pytest.raises(DBAPIError, match="lock timeout"):
             lock_run(other, d.run_id)
     assert datetime.now(UTC) > found["refill_now"]
+
+
+_NOTE = update(_attempts).where(ids_param(_attempts.c.id, "ids")).values(error=bindparam("note"))
+_BUMP = update(_runs).where(_runs.c.id == bindparam("run_id")).values(zero_variance_groups=_runs.c.zero_variance_groups + 1)
+
+
+def test_writes_on_the_driver_go_out_together_and_count_their_rows(ledger) -> None:  # type: ignore[no-untyped-def]
+    """`driver.execute`: each statement's row count, in order; on PostgreSQL in one round trip
+    (listeners see the second as sent with the first: `PIPELINED`)."""
+    from refill.models.driver import PIPELINED
+
+    d = Driver(ledger, check=False)  # rows changed by hand
+    d.admit()
+    ids = [a.id for a in d.live()[:3]]
+    seen: list[bool] = []
+
+    def listen(conn, cursor, statement, *args):  # type: ignore[no-untyped-def]
+        if statement.startswith("UPDATE"):
+            seen.append(bool(conn.info.get(PIPELINED)))
+
+    event.listen(ledger.engine, "before_cursor_execute", listen)
+    try:
+        with ledger.session() as session:
+            counts = driver.execute(session, [(_NOTE, {"ids": ids, "note": "noted"}), (_BUMP, {"run_id": d.run_id})])
+            session.commit()
+    finally:
+        event.remove(ledger.engine, "before_cursor_execute", listen)
+    assert counts == [3, 1]
+    assert seen == ([False, True] if ledger.engine.dialect.name == "postgresql" else [False, False])
+    assert {d.attempt(i).error for i in ids} == {"noted"}
+    assert d.query(lambda s: s.get(Run, d.run_id).zero_variance_groups) == 1
