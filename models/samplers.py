@@ -14,20 +14,20 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+# Named tuples, not frozen dataclasses: as immutable, read the same way, and made about three
+# times faster; a batch makes tens of thousands (an extra's placement offers up to 32 slots).
 
 
-@dataclass(frozen=True)
-class SlotView:
+class SlotView(NamedTuple):
     step: int
     idx: int
     #: its own prompt was filtered or dropped, and it waits on a replacement
     needs_replacement: bool
 
 
-@dataclass(frozen=True)
-class GroupView:
+class GroupView(NamedTuple):
     attempt_id: int
     weight_version: int
     #: where it sits now; None for parked surplus
