@@ -25,7 +25,7 @@ from refill.models.context import RunContext
 from refill.models.decisions import spare_refill_needed
 from refill.models.driver import insert_rows
 from refill.models.rows import AttemptRow, SpareRow
-from refill.models.sql import literal_in
+from refill.models.sql import ids_in
 from refill.models.tables import Prompt, PromptDraw
 
 #: Places read ahead per query under skipping: at least this many, else twice what is still
@@ -70,10 +70,13 @@ def _advance(ctx: RunContext, places: int) -> None:
 def _prompt_ids(ctx: RunContext, positions: list[int] | tuple[int, ...]) -> list[int]:
     if not positions:
         return []
+    # By the run's unique (run, position) key, the positions bound as one array: admission
+    # asks for thousands, which written into the SQL took SQLAlchemy longer to render than
+    # PostgreSQL to find.
     by_position = dict(
         ctx.session.execute(
             select(Prompt.position, Prompt.id).where(
-                Prompt.run_id == ctx.run.id, literal_in(Prompt.position, sorted(set(positions)))
+                Prompt.run_id == ctx.run.id, ids_in(Prompt.position, sorted(set(positions)))
             )
         ).all()
     )
