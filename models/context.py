@@ -548,10 +548,11 @@ class RunContext:
         """Run the caller's `reads` with the run's unfinished steps, the first loads of the
         caches a batch of results will look up (`waiting` slots, `lendable` groups and spare
         prompts, a prefix of `open_slots`, whose live attempts `live_attempt` reads on first use)
-        and the blocks of ids it said it expects to use (`IdBlocks.expect`) in one round trip (`RowStore.load_all`), before the batch changes anything; returns the
-        rows of the caller's reads. A cache's flag may be a
-        condition (SQL over the parameters of the caller's reads, `joint_read.When`): where it
-        does not hold, the cache is not read, and loads on first use if used after all.
+        and the blocks of ids it said it expects to use (`IdBlocks.expect`) in one round trip
+        (`RowStore.load_all`), before the batch changes anything; returns the rows of the
+        caller's reads. A cache's flag may be a condition (SQL over the parameters of the
+        caller's reads, `joint_read.When`): where it does not hold, the cache is not read, and
+        loads on first use if used after all.
 
         Loaded one by one on first use, each cache would flush the batch's changes first."""
         self.flush()
