@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 from collections import namedtuple
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from datetime import datetime
 from enum import Enum
 from functools import lru_cache
@@ -37,23 +38,15 @@ def rows(session: Session, statement: Executable, params: dict[str, Any]) -> lis
     Python in `bench overhead` over the joint read, the run's lock and the relay's reads
     (bench/README.md, stop 40). The session's transaction is the one it runs in; a session
     that autoflushes is flushed first, as `execute` would."""
-    if session.autoflush and (session.new or session.dirty or session.deleted):
-        session.flush()
-    connection = session.connection()
+    connection = _connection(session)
     dialect = connection.dialect
     if dialect.name != "postgresql":
         return list(session.execute(statement, params).all())
     shape, sql_text, values = _bound(dialect, statement, params)
-    connection.dispatch.before_cursor_execute(connection, None, sql_text, values, None, False)
-    raw = connection.connection.driver_connection
-    try:
-        with raw.cursor() as cursor:
-            cursor.execute(sql_text, values)
-            found = cursor.fetchall()
-            readers = shape.readers(dialect, cursor.description)
-    except dialect.loaded_dbapi.Error as error:
-        raise _as_sqlalchemy_error(connection, sql_text, error) from error
-    connection.dispatch.after_cursor_execute(connection, None, sql_text, values, None, False)
+    with _on_driver(connection, sql_text, values, executemany=False) as raw, raw.cursor() as cursor:
+        cursor.execute(sql_text, values)
+        found = cursor.fetchall()
+        readers = shape.readers(dialect, cursor.description)
     make = shape.row
     if not readers:
         return [make(*values) for values in found]
@@ -70,13 +63,32 @@ def execute(session: Session, statements: list[tuple[Executable, dict[str, Any]]
     """Run `statements` (writes built once, each with its parameters) in order, in one round
     trip on PostgreSQL (`execute_pipelined`, compiled once as for `rows`); returns each one's
     row count."""
-    if session.autoflush and (session.new or session.dirty or session.deleted):
-        session.flush()
-    connection = session.connection()
+    connection = _connection(session)
     dialect = connection.dialect
     if dialect.name != "postgresql":
         return [session.execute(statement, params).rowcount for statement, params in statements]
     return execute_pipelined(session, [_bound(dialect, statement, params)[1:] for statement, params in statements])
+
+
+def _connection(session: Session) -> Connection:
+    """The session's connection, in its transaction; pending objects flushed first where the
+    session autoflushes (as its `execute` would)."""
+    if session.autoflush and (session.new or session.dirty or session.deleted):
+        session.flush()
+    return session.connection()
+
+
+@contextmanager
+def _on_driver(connection: Connection, statement: str, parameters: Any, *, executemany: bool) -> Iterator[Any]:
+    """psycopg's connection under `connection`, for one statement sent past SQLAlchemy: the
+    engine's cursor listeners see it before and after (statement counts, `bench overhead
+    --rtt-ms`, tests; a no-op when none listens), and a driver error comes out as SQLAlchemy's."""
+    connection.dispatch.before_cursor_execute(connection, None, statement, parameters, None, executemany)
+    try:
+        yield connection.connection.driver_connection
+    except connection.dialect.loaded_dbapi.Error as error:
+        raise _as_sqlalchemy_error(connection, statement, error) from error
+    connection.dispatch.after_cursor_execute(connection, None, statement, parameters, None, executemany)
 
 
 def _bound(dialect: Dialect, statement: Executable, params: dict[str, Any]) -> tuple[_Shape, str, dict[str, Any]]:
@@ -171,17 +183,10 @@ def insert_rows(executor: Session | Connection, table: Table, rows: list[dict[st
             names.append(column.key)
             columns.append(driver_values(dialect, column, [column.default.arg] * len(rows)))
     statement = f"COPY {table.name} ({', '.join(names)}) FROM STDIN"
-    raw = connection.connection.driver_connection
-    # Listeners of the engine (statement counts, `bench overhead --rtt-ms`, tests) see the COPY
-    # as the statements they would have seen: `dispatch` calls each, a no-op when none.
-    connection.dispatch.before_cursor_execute(connection, None, statement, rows, None, True)
-    try:
-        with raw.cursor() as cursor, cursor.copy(statement) as copy:
-            for values in zip(*columns, strict=True):
-                copy.write_row(values)
-    except dialect.loaded_dbapi.Error as error:
-        raise _as_sqlalchemy_error(connection, statement, error) from error
-    connection.dispatch.after_cursor_execute(connection, None, statement, rows, None, True)
+    # Listeners see the COPY as the executemany of `rows` they would have seen.
+    with _on_driver(connection, statement, rows, executemany=True) as raw, raw.cursor() as cursor, cursor.copy(statement) as copy:
+        for values in zip(*columns, strict=True):
+            copy.write_row(values)
 
 
 #: True in `Connection.info` while the engine's `before_cursor_execute` listeners see a

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
-from sqlalchemy import Select, Table, bindparam, cast, func, insert, select, text
+from sqlalchemy import Select, Table, bindparam, cast, func, insert, select
 from sqlalchemy.dialects.postgresql import REGCLASS
 from sqlalchemy.orm import Session
 
@@ -129,10 +129,7 @@ class IdBlocks:
 
     def _draw(self, table: str, count: int) -> list[int]:
         """`count` fresh ids of `table`, ascending, in one query."""
-        ids = self.session.scalars(
-            _DRAW,
-            {"sequence": _sequence(self.session, table), "count": count},
-        ).all()
+        ids = self.session.scalar(_drawing(1), {"ids_sequence0": _sequence(self.session, table), "ids_count0": count})
         return sorted(ids)
 
     def insert(self, table: Table, rows: list[dict[str, Any]]) -> list[int]:
@@ -153,9 +150,6 @@ class IdBlocks:
             return ids
         returned = self.session.execute(insert(table).returning(table.c.id, sort_by_parameter_order=True), rows)
         return [int(i) for i in returned.scalars()]
-
-
-_DRAW = text("SELECT nextval(CAST(:sequence AS regclass)) FROM generate_series(1, :count)")
 
 
 @cache

@@ -158,8 +158,8 @@ def test_id_blocks_grow_and_never_hand_out_an_id_twice(pg_ledger) -> None:  # ty
     sizes: list[int] = []
 
     def count_draws(conn, cursor, statement, parameters, context, executemany):  # type: ignore[no-untyped-def]
-        if "nextval" in statement and "attempts" in parameters["sequence"]:
-            sizes.append(parameters["count"])
+        if "nextval" in statement and "attempts" in parameters["ids_sequence0"]:
+            sizes.append(parameters["ids_count0"])
 
     threads = [threading.Thread(target=draw, args=(name,)) for name in ("a", "b")]
     event.listen(pg_ledger.engine, "before_cursor_execute", count_draws)
