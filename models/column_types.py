@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import json
+import re
 from datetime import UTC, datetime
 from typing import Any
 
+import orjson
 from sqlalchemy import JSON, BigInteger, DateTime, Integer, TypeDecorator
 from sqlalchemy.dialects import postgresql
 
@@ -41,6 +44,39 @@ class UTCDateTime(TypeDecorator[datetime]):
 
 
 # JSONB on PostgreSQL (indexable, compact), plain JSON text elsewhere.
+# Its values are spelled and read by `json_text` and `json_value` (the engine's serializer and
+# deserializer, `db.make_engine`, and the writes and reads past SQLAlchemy, `driver`).
 JSONType = JSON().with_variant(postgresql.JSONB(), "postgresql")
 # SQLite only auto-increments an INTEGER PRIMARY KEY.
 BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+def json_text(value: Any) -> str:
+    """`value` as the JSON text the ledger stores. orjson spells a step's rewards, messages and
+    prompt rows (about 18,000 values in a 4096-group step) ten to twenty times quicker than the
+    standard library; what orjson refuses (an integer past 64 bits, a float subclass such as
+    NumPy's) is spelled by the standard library, as before. A non-finite float is spelled
+    `null`: JSON has no word for it (the standard library's `NaN` is refused by PostgreSQL),
+    and every float the ledger stores as JSON is checked finite first."""
+    try:
+        return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
+    except TypeError:
+        return json.dumps(value)
+
+
+def json_value(text: str | bytes) -> Any:
+    """The value of stored JSON text: orjson's reading (six times the standard library's on a
+    batch's joint read), the standard library's where orjson would not read it exactly (it
+    reads an integer past 64 bits as a float: text with a run of 19 digits or more goes to the
+    standard library, whose integers are exact) or at all (the `NaN` an older SQLite ledger may
+    hold)."""
+    if (_LONG_DIGITS_BYTES if isinstance(text, bytes) else _LONG_DIGITS).search(text):
+        return json.loads(text)
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return json.loads(text)
+
+
+_LONG_DIGITS = re.compile(r"[0-9]{19}")
+_LONG_DIGITS_BYTES = re.compile(rb"[0-9]{19}")

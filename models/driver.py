@@ -8,7 +8,6 @@ would retry)."""
 
 from __future__ import annotations
 
-import json
 from collections import namedtuple
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -25,6 +24,8 @@ from sqlalchemy.orm import Session
 from sqlalchemy.sql import Executable
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.elements import Null
+
+from refill.models.column_types import json_text
 
 
 def rows(session: Session, statement: Executable, params: dict[str, Any]) -> list[Any]:
@@ -254,7 +255,7 @@ def driver_values(dialect: Any, column: Any, values: list[Any]) -> list[Any]:
     Python type (psycopg refuses a list of mixed types, such as an int beside floats)."""
     kind = column.type
     if isinstance(kind, JSON):
-        return [None if isinstance(value, Null) else json.dumps(value) for value in values]
+        return [None if isinstance(value, Null) else json_text(value) for value in values]
     process = kind._cached_bind_processor(dialect)
     if process is not None:
         values = [process(value) for value in values]

@@ -12,7 +12,6 @@ integers; each table's columns are read back to the types a plain query returns
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -25,7 +24,7 @@ from sqlalchemy.orm import Session
 from sqlalchemy.sql import ColumnElement, Select
 
 from refill.models import driver, sql
-from refill.models.column_types import UTCDateTime
+from refill.models.column_types import UTCDateTime, json_value
 
 
 @dataclass(frozen=True)
@@ -88,7 +87,7 @@ def fetch(session: Session, reads: Sequence[Read]) -> list[list[list[Any]] | Non
             out.append(None)
             continue
         if isinstance(value_rows, str | bytes):
-            value_rows = json.loads(value_rows)
+            value_rows = json_value(value_rows)
         width = len(read.names) - len(read.extra)
         for position, reader in _json_readers(read.cls, width):
             for values in value_rows:
