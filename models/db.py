@@ -27,7 +27,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from refill.models import driver
 from refill.models.clock import remember_ledger_now
-from refill.models.column_types import json_text, json_value
+from refill.models.column_types import json_text
 from refill.models.tables import Run
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,6 @@ def make_engine(url: str, *, echo: bool = False, application_name: str | None = 
             url,
             echo=echo,
             json_serializer=json_text,
-            json_deserializer=json_value,
             connect_args={"check_same_thread": False, "timeout": 60},
             # The embedded runner uses the ledger from several threads.
             **({} if in_memory else {"pool_size": 8, "max_overflow": 8}),
@@ -92,9 +91,8 @@ def make_engine(url: str, *, echo: bool = False, application_name: str | None = 
     return create_engine(
         parsed,
         echo=echo,
-        # psycopg's JSON loader and dumper on this engine's connections too (driver.rows reads).
+        # psycopg's JSON dumper on this engine's connections too.
         json_serializer=json_text,
-        json_deserializer=json_value,
         # A ping on checkout (a round trip per transaction). Without it every write still
         # survives a dropped connection (`Ledger.transaction` runs it again), but the fault
         # suite's PostgreSQL restart once saw workers' first heartbeats after the restart come

@@ -18,7 +18,7 @@ from datetime import UTC, datetime
 from functools import cache, lru_cache
 from typing import Any
 
-from sqlalchemy import Float, case, func, literal_column, select
+from sqlalchemy import Float, Text, case, cast, func, literal_column, select
 from sqlalchemy.dialects.postgresql import aggregate_order_by
 from sqlalchemy.orm import Session
 from sqlalchemy.sql import ColumnElement, Select
@@ -86,8 +86,7 @@ def fetch(session: Session, reads: Sequence[Read]) -> list[list[list[Any]] | Non
         if value_rows is None:  # its `when` did not hold
             out.append(None)
             continue
-        if isinstance(value_rows, str | bytes):
-            value_rows = json_value(value_rows)
+        value_rows = json_value(value_rows)
         width = len(read.names) - len(read.extra)
         for position, reader in _json_readers(read.cls, width):
             for values in value_rows:
@@ -144,5 +143,7 @@ def _together(reads: tuple[tuple[Any, tuple[str, ...], Select, ColumnElement[boo
         row = literal_column(_json_row(alias, (*column_keys(cls), *extra)))
         agg = func.json_agg(aggregate_order_by(row, literal_column(f"{alias}.refill_n"))) if order else func.json_agg(row)
         array = select(func.coalesce(agg, literal_column("'[]'::json"))).select_from(statement.subquery(alias)).scalar_subquery()
-        arrays.append(array if when is None else case((when, array)))
+        # As text, read by orjson in `fetch` (`json_value`): the ledger's own columns, which it
+        # reads exactly, where psycopg's loader of JSON is the standard library's (user data).
+        arrays.append(cast(array if when is None else case((when, array)), Text))
     return select(*arrays)
