@@ -38,7 +38,7 @@ from itertools import pairwise
 
 from sqlalchemy import and_, bindparam, case, or_, select, update
 
-from refill.models import decisions, sql
+from refill.models import decisions, driver, sql
 from refill.models.context import GROUP_COLUMNS, SLOT_COLUMNS, RunContext
 from refill.models.dataloader import mark_taken, take_spare
 from refill.models.metrics import zero_variance_from_counters
@@ -269,7 +269,7 @@ def _running_with_old_weights(ctx: RunContext) -> dict[tuple[int, int], int]:
     workers' transactions) are the ones a snapshot may miss, which only makes a slot eligible."""
     if ctx.old_running is None:
         params = {"run_id": ctx.run.id, "lookahead": ctx.settings.max_lookahead_versions}
-        ctx.old_running = {(step, idx): attempt_id for attempt_id, step, idx in ctx.session.execute(_OLD_RUNNING, params).all()}
+        ctx.old_running = {(step, idx): attempt_id for attempt_id, step, idx in driver.rows(ctx.session, _OLD_RUNNING, params)}
     return ctx.old_running
 
 
