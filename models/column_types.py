@@ -55,8 +55,9 @@ def json_text(value: Any) -> str:
     prompt rows (about 18,000 values in a 4096-group step) ten to twenty times quicker than the
     standard library; what orjson refuses (an integer past 64 bits, a float subclass such as
     NumPy's) is spelled by the standard library, as before. A non-finite float is spelled
-    `null`: JSON has no word for it (the standard library's `NaN` is refused by PostgreSQL),
-    and every float the ledger stores as JSON is checked finite first."""
+    `null`, as JSON has no word for it: the standard library's `NaN` is refused by PostgreSQL,
+    so a trainer's extra metric that came out NaN would have failed its step's finish there
+    (rewards are checked finite before they are stored)."""
     try:
         return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
     except TypeError:

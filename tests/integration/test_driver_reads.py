@@ -165,6 +165,12 @@ def test_json_values_are_stored_and_read_alike_on_every_path(ledger) -> None:  #
         [(by_copy, by_sqlalchemy)] = driver.rows(session, read, {"id": 10**9})
         assert by_copy == by_sqlalchemy == stored
         assert tuple(session.execute(read, {"id": 10**9}).one()) == (stored, stored)
+    # A non-finite float is JSON's null (PostgreSQL refused the standard library's NaN).
+    with ledger.session() as session:
+        session.execute(update(_runs).where(_runs.c.id == d.run_id).values(config={"nan": float("nan"), "inf": float("inf")}))
+        session.commit()
+    with ledger.session() as session:
+        assert session.execute(select(_runs.c.config).where(_runs.c.id == d.run_id)).scalar_one() == {"nan": None, "inf": None}
     # orjson spells what it can, the standard library the rest (the integer past 64 bits).
     assert json_text([1.5, "x"]) == '[1.5,"x"]' and json.loads(json_text(payload)) == stored
     # The joint read's own JSON: every BIGINT exact; an older SQLite ledger's NaN still reads.
