@@ -63,15 +63,3 @@ def json_text(value: Any) -> str:
     except TypeError:
         return json.dumps(value)
 
-
-def json_value(text: str | bytes) -> Any:
-    """The value of JSON text the ledger built from its own columns (the joint read's rows:
-    ids, counters, timestamps, floats): orjson's reading, six to eight times the standard
-    library's, and exact for every integer a BIGINT holds. Not for values a user gave (a
-    prompt's row, a config): orjson reads an integer past 64 bits as a float, so those are read
-    by the standard library (psycopg's and SQLAlchemy's default). Text orjson refuses (the
-    `NaN` an older SQLite ledger may hold) goes to the standard library too."""
-    try:
-        return orjson.loads(text)
-    except orjson.JSONDecodeError:
-        return json.loads(text)

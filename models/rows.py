@@ -309,8 +309,13 @@ class RowStore:
 
     def saved(self, row: Row, column: str) -> Any:
         """`column` of `row` as the database holds it (None for a row not written yet)."""
-        values = _saved_values(row)
-        return None if values is None else values.get(column)
+        touched = row._set
+        if touched is _NEW:
+            return None
+        if touched and column in touched:
+            before = touched[column]
+            return None if before is _MISSING else before
+        return row.__dict__.get(column)
 
     def changed(self, row: Row) -> bool:
         """Whether `row` holds anything the database does not (a new row, or a changed one)."""
