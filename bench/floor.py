@@ -13,10 +13,13 @@ migrations, so the same indexes and constraints), one transaction for each of th
 the step's order: deletes, then per table (parents first) its new rows in one statement, then
 per table and set of changed columns one `UPDATE ... FROM unnest(...)` with one array parameter
 per column, the transaction's UPDATEs sent together. Rows go in and change as the ledger writes
-them (`refill.models.driver.insert_rows`: a COPY; `refill.models.rows.unnest_update`, the arrays
-spelled as text, sent by `refill.models.driver.execute_pipelined`): the floor is what writing the
-rows costs, so it writes them no slower than the ledger does (until stop 37 its UPDATEs went one
-round trip each, their arrays spelled by psycopg element by element, about a fifth of the floor).
+them (`refill.models.rows.RowStore.write`: a table's few new rows as `refill.models.driver.unnest_insert`
+in the round trip of the UPDATEs, thousands as `refill.models.driver.insert_rows`, a COPY;
+`refill.models.rows.unnest_update`, the arrays spelled as text, all sent by
+`refill.models.driver.execute_pipelined`): the floor is what writing the rows costs, so it writes
+them no slower than the ledger does (until stop 37 its UPDATEs went one round trip each, their
+arrays spelled by psycopg element by element, about a fifth of the floor; until stop 42 every
+insert was a COPY of its own).
 The setup, the workers' lease handshakes and the trainer's claim are replayed too (so every row
 is as the step found it), timed under their own names; only admission, relay and record are the
 floor.
@@ -33,8 +36,8 @@ from typing import Any
 from sqlalchemy import JSON, Engine, Table, delete, func, null, select, text, tuple_
 
 from bench.machine import process_cpu
-from refill.models.driver import execute_pipelined, insert_rows
-from refill.models.rows import unnest_update
+from refill.models.driver import execute_pipelined, insert_rows, unnest_insert
+from refill.models.rows import PIPELINED_INSERT_ROWS, unnest_update
 
 
 @dataclass
@@ -194,24 +197,35 @@ def _write(conn: Any, tables: list[Table], change: Change) -> int:
         if keys:
             conn.execute(delete(table).where(tuple_(*table.primary_key.columns).in_(keys)))
             statements += 1
+    # As the ledger writes them (`RowStore.write`): a table's few new rows go out with the
+    # UPDATEs in one round trip, thousands as a COPY of their own, in table order.
+    dialect = conn.dialect
+    pending: list[tuple[str, Any, int]] = []
     for table in tables:
         rows = change.inserts.get(table.name)
         if rows:
-            insert_rows(conn, table, _json_nulls(table, rows))
+            if len(rows) <= PIPELINED_INSERT_ROWS:
+                pending.append(("insert", table, len(rows), unnest_insert(dialect, table, _json_nulls(table, rows))))
+            else:
+                if pending:
+                    _pipelined(conn, pending)
+                    pending = []
+                insert_rows(conn, table, _json_nulls(table, rows))
             statements += 1
-    updates = [
-        (table, list(columns), rows)
-        for table in tables
-        for columns, rows in sorted(change.updates.get(table.name, {}).items())
-    ]
-    if updates:
-        dialect = conn.dialect
-        counts = execute_pipelined(conn, [unnest_update(dialect, table, columns, _json_nulls(table, rows)) for table, columns, rows in updates])
-        for (table, _, rows), count in zip(updates, counts, strict=True):
-            if count != len(rows):
-                raise RuntimeError(f"floor: update of {table.name} matched {count} of {len(rows)} rows")
-        statements += len(updates)
+    for table in tables:
+        for columns, rows in sorted(change.updates.get(table.name, {}).items()):
+            pending.append(("update", table, len(rows), unnest_update(dialect, table, list(columns), _json_nulls(table, rows))))
+            statements += 1
+    if pending:
+        _pipelined(conn, pending)
     return statements
+
+
+def _pipelined(conn: Any, statements: list[tuple[str, Any, int]]) -> None:
+    counts = execute_pipelined(conn, [statement for *_, statement in statements])
+    for (what, table, rows, _), count in zip(statements, counts, strict=True):
+        if count != rows:
+            raise RuntimeError(f"floor: {what} of {table.name} matched {count} of {rows} rows")
 
 
 def _json_nulls(table: Table, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

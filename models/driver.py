@@ -1,7 +1,7 @@
 """Statements the ledger runs on psycopg directly, past SQLAlchemy's execution (PostgreSQL;
 elsewhere each falls back to SQLAlchemy): the reads that run every batch or relay pass
-(`rows`), new rows as one `COPY` (`insert_rows`), a batch's UPDATEs in one round trip
-(`execute_pipelined`), and the spellings they need (`driver_values`, `array_text`). Each keeps
+(`rows`), new rows as one `COPY` (`insert_rows`) or, a few, as arrays (`unnest_insert`), a
+batch's writes in one round trip (`execute_pipelined`), and the spellings they need (`driver_values`, `array_text`). Each keeps
 what SQLAlchemy's execution gives its callers: the engine's cursor listeners see the statement,
 and a driver error comes out as SQLAlchemy's (so that `Ledger.transaction` retries what it
 would retry)."""
@@ -164,7 +164,9 @@ def insert_rows(executor: Session | Connection, table: Table, rows: list[dict[st
     planned and run by the server on its own: a fifth of the batch's time in `bench overhead`)
     and `INSERT ... SELECT FROM unnest(...)` as arrays that psycopg spells element by element
     in Python; COPY's rows are formatted in psycopg's C code and read by the server in one
-    pass (4.4 and 3.1 ms against 1.6 ms for 90 new attempts, bench/README.md). The engine's
+    pass (4.4 and 3.1 ms against 1.6 ms for 90 new attempts, bench/README.md; since stop 42
+    `array_text` spells the arrays, and a batch's few rows go out as `unnest_insert` with its
+    UPDATEs). The engine's
     `before_cursor_execute` and `after_cursor_execute` listeners see it as one executemany of
     `rows`; a driver error comes out as SQLAlchemy's, as from `session.execute`, so that
     `Ledger.transaction` retries what it would retry. Elsewhere (SQLite) an executemany."""
@@ -175,6 +177,38 @@ def insert_rows(executor: Session | Connection, table: Table, rows: list[dict[st
     if dialect.name != "postgresql":
         connection.execute(insert(table), rows)
         return
+    names, columns = _insert_columns(dialect, table, rows)
+    statement = f"COPY {table.name} ({', '.join(names)}) FROM STDIN"
+    # Listeners see the COPY as the executemany of `rows` they would have seen.
+    with _on_driver(connection, statement, rows, executemany=True) as raw, raw.cursor() as cursor, cursor.copy(statement) as copy:
+        for values in zip(*columns, strict=True):
+            copy.write_row(values)
+
+
+def unnest_insert(dialect: Dialect, table: Table, rows: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
+    """`INSERT INTO table (...) SELECT * FROM unnest(...)` of `rows` (dicts with the same keys,
+    as `insert_rows` takes them), one array parameter per column, as psycopg takes it
+    (`execute_pipelined`), with its values: PostgreSQL only.
+
+    A COPY is a round trip of its own, and two waits (its start, then its end), which no other
+    statement can share: a batch of results inserting into three tables waited six times
+    before its UPDATEs went out. This statement goes out in the same round trip as the UPDATEs
+    (`RowStore.write`), and the server runs it while the next one is spelled. For a few dozen
+    rows that is quicker than COPY; for thousands (a step's admission) COPY's own format is."""
+    names, columns = _insert_columns(dialect, table, rows)
+    return _insert_statement(dialect, table, tuple(names)), {f"c{i}": array_text(values) for i, values in enumerate(columns)}
+
+
+@lru_cache(maxsize=256)
+def _insert_statement(dialect: Dialect, table: Table, names: tuple[str, ...]) -> str:
+    casts = ", ".join(f"CAST(%(c{i})s AS {table.c[name].type.compile(dialect)}[])" for i, name in enumerate(names))
+    return f"INSERT INTO {table.name} ({', '.join(names)}) SELECT * FROM unnest({casts})"
+
+
+def _insert_columns(dialect: Dialect, table: Table, rows: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:
+    """The columns an insert of `rows` writes and each one's values as the driver takes them
+    (`driver_values`), as a Core `insert(table)` of them would write: a column the rows leave
+    out takes its scalar default (a computed one must be given), or the server's."""
     names = list(rows[0])
     columns = [driver_values(dialect, table.c[name], [row[name] for row in rows]) for name in names]
     for column in table.columns:
@@ -183,11 +217,7 @@ def insert_rows(executor: Session | Connection, table: Table, rows: list[dict[st
                 raise ValueError(f"insert_rows: give {table.name}.{column.key} a value (its default is computed)")
             names.append(column.key)
             columns.append(driver_values(dialect, column, [column.default.arg] * len(rows)))
-    statement = f"COPY {table.name} ({', '.join(names)}) FROM STDIN"
-    # Listeners see the COPY as the executemany of `rows` they would have seen.
-    with _on_driver(connection, statement, rows, executemany=True) as raw, raw.cursor() as cursor, cursor.copy(statement) as copy:
-        for values in zip(*columns, strict=True):
-            copy.write_row(values)
+    return names, columns
 
 
 #: True in `Connection.info` while the engine's `before_cursor_execute` listeners see a

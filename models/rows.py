@@ -6,12 +6,13 @@ Python objects with one attribute per column (the ORM's names: `slot.filtered +=
 same), and writes what changed when the operation flushes:
 
 1. **new rows** as one statement per table (a step, attempts, then groups and outbox rows,
-   which reference them; `driver.insert_rows`: a `COPY` on PostgreSQL), with their ids drawn up
-   front (`models/ids.py`);
+   which reference them), with their ids drawn up front (`models/ids.py`): on PostgreSQL a
+   table's few rows as `INSERT ... SELECT FROM unnest(...)` (`driver.unnest_insert`), its
+   thousands as a `COPY` (`driver.insert_rows`);
 2. **changed rows** as one `UPDATE` per table and set of changed columns: on PostgreSQL
    `UPDATE t SET c = v.c FROM unnest(:ids, :c...) AS v(...)` with one array parameter per
-   column, a write's every UPDATE sent in one round trip (`driver.execute_pipelined`), elsewhere
-   an executemany. A row's changes are found by comparing the columns set
+   column, a write's every UPDATE sent in one round trip with its few new rows
+   (`driver.execute_pipelined`), elsewhere an executemany. A row's changes are found by comparing the columns set
    since it was read or last written with the values they held then (`Row._set`, kept by the
    row as each column is first set), so a column nobody set is never written back:
    a worker's heartbeat or lease handshake, committed meanwhile to other columns of the same
@@ -376,20 +377,29 @@ class RowStore:
     def write(self) -> int:
         """Write every new and changed row; returns the rows written."""
         written = 0
+        # (table, SQL, parameters, rows) of the inserts that go out with the UPDATEs
+        pending: list[tuple[Table, str, dict[str, Any], int]] = []
         for cls in _INSERT_ORDER:
             new = self._new[cls]
             if not new:
                 continue
             self._new[cls] = []
-            driver.insert_rows(self.session, cls.table, _insert_values(cls.table, new))
+            values = _insert_values(cls.table, new)
+            if self.postgres and len(new) <= PIPELINED_INSERT_ROWS:
+                pending.append((cls.table, *driver.unnest_insert(self._dialect, cls.table, values), len(new)))
+            else:
+                if pending:  # in table order: these rows may reference the pending ones
+                    self._run_pipelined(pending, [])
+                    pending = []
+                driver.insert_rows(self.session, cls.table, values)
             for row in new:
                 _written(row)
             written += len(new)
         updates: list[tuple[Table, list[str], list[Row]]] = []
         for cls in _UPDATE_ORDER:
             written += self._changes(cls, updates)
-        if updates:
-            self._update(updates)
+        if updates or pending:
+            self._update(updates, pending)
         self.writes += bool(written)
         return written
 
@@ -426,27 +436,48 @@ class RowStore:
                 _written(row)
         return sum(len(rows) for rows in shapes.values())
 
-    def _update(self, updates: list[tuple[Table, list[str], list[Row]]]) -> None:
-        """Run `updates` in their order: on PostgreSQL each an `UPDATE ... FROM unnest`, all
-        in one round trip (`driver.execute_pipelined`); elsewhere each an executemany."""
-        counts: list[int]
+    def _update(self, updates: list[tuple[Table, list[str], list[Row]]], inserts: list[tuple[Table, str, dict[str, Any], int]]) -> None:
+        """Run `inserts` (PostgreSQL: `RowStore.write`'s pending ones), then `updates` in their
+        order: on PostgreSQL each an `UPDATE ... FROM unnest`, all in one round trip with the
+        inserts (`driver.execute_pipelined`); elsewhere each an executemany."""
         if self.postgres:
-            dialect = self.session.get_bind().dialect
-            statements = [unnest_update(dialect, table, keys, [row.__dict__ for row in rows]) for table, keys, rows in updates]
-            counts = driver.execute_pipelined(self.session, statements)
-        else:
-            counts = []
-            for table, keys, rows in updates:
-                primary = [column.key for column in table.primary_key.columns]
-                statement = _row_update(table, tuple(primary), tuple(keys))
-                params = [
-                    {**{f"k_{name}": row.__dict__[name] for name in primary}, **{f"v_{key}": row.__dict__[key] for key in keys}}
-                    for row in rows
-                ]
-                counts.append(self.session.execute(statement, params).rowcount)
-        for (table, _, rows), count in zip(updates, counts, strict=True):
-            if count not in (len(rows), -1):
-                raise RuntimeError(f"update of {table.name} matched {count} rows for {len(rows)} changed rows")
+            self._run_pipelined(inserts, updates)
+            return
+        for table, keys, rows in updates:
+            primary = [column.key for column in table.primary_key.columns]
+            statement = _row_update(table, tuple(primary), tuple(keys))
+            params = [
+                {**{f"k_{name}": row.__dict__[name] for name in primary}, **{f"v_{key}": row.__dict__[key] for key in keys}}
+                for row in rows
+            ]
+            count = self.session.execute(statement, params).rowcount
+            _check_count("update", table, count, len(rows))
+
+    def _run_pipelined(self, inserts: list[tuple[Table, str, dict[str, Any], int]], updates: list[tuple[Table, list[str], list[Row]]]) -> None:
+        dialect = self._dialect
+        statements = [(statement, params) for _, statement, params, _ in inserts]
+        statements += [unnest_update(dialect, table, keys, [row.__dict__ for row in rows]) for table, keys, rows in updates]
+        counts = driver.execute_pipelined(self.session, statements)
+        expected = [("insert", table, rows) for table, _, _, rows in inserts] + [("update", table, len(rows)) for table, _, rows in updates]
+        for (what, table, rows), count in zip(expected, counts, strict=True):
+            _check_count(what, table, count, rows)
+
+    @property
+    def _dialect(self) -> Any:
+        return self.session.get_bind().dialect
+
+
+#: Up to how many new rows of a table `RowStore.write` inserts with an `INSERT ... SELECT FROM
+#: unnest` in the round trip of its UPDATEs (`driver.unnest_insert`), not a COPY of their own:
+#: a batch of results makes a few dozen a table, a step's admission thousands (bench/README.md,
+#: stop 42).
+PIPELINED_INSERT_ROWS = 256
+
+
+def _check_count(what: str, table: Table, count: int, rows: int) -> None:
+    if count not in (rows, -1):
+        kind = "changed" if what == "update" else "new"
+        raise RuntimeError(f"{what} of {table.name} matched {count} rows for {rows} {kind} rows")
 
 
 class _InsertShape(NamedTuple):

@@ -221,7 +221,7 @@ def test_a_batch_that_dispatches_extras_writes_each_table_once(pg_ledger) -> Non
         words = statement.split()
         if words[0] in ("INSERT", "UPDATE"):
             writes.append(f"{words[0]} {words[2] if words[0] == 'INSERT' else words[1]}")
-        elif words[0] == "COPY":  # the ledger's inserts on PostgreSQL (driver.insert_rows)
+        elif words[0] == "COPY":  # a table's many new rows on PostgreSQL (driver.insert_rows)
             writes.append(f"INSERT {words[1]}")
 
     event.listen(pg_ledger.engine, "before_cursor_execute", record)

@@ -376,8 +376,6 @@ def test_new_rows_go_in_as_one_statement_and_read_back_as_a_core_insert_writes_t
     the same rows: every column reads back the same, defaults, JSON null against SQL NULL,
     an enum member, NaN and infinities, quotes and control characters included; listeners of
     the engine see it as one statement."""
-    import math
-
     from sqlalchemy import insert
 
     from refill.models.driver import insert_rows
@@ -400,25 +398,54 @@ def test_new_rows_go_in_as_one_statement_and_read_back_as_a_core_insert_writes_t
             event.remove(ledger.engine, "before_cursor_execute", record)
     postgres = ledger.engine.dialect.name == "postgresql"
     assert seen == [("COPY" if postgres else "INSERT", True)]
+    _assert_written_as_core_writes_them(ledger, 10**9, 10**9 + 100)
+
+
+def _assert_written_as_core_writes_them(ledger, core: int, other: int) -> None:  # type: ignore[no-untyped-def]
+    """The three rows of `_new_attempts(d, other)` read back as those of `_new_attempts(d,
+    core)`, inserted by SQLAlchemy's `insert(table)`, do."""
+    import math
+
+    table = Attempt.__table__
     with ledger.session() as session:
-        back = {row.id: dict(row._mapping) for row in session.execute(select(table).where(table.c.id >= 10**9))}
+        back = {row.id: dict(row._mapping) for row in session.execute(select(table).where(table.c.id.in_([*range(core, core + 3), *range(other, other + 3)])))}
     assert len(back) == 6
 
     def same(a, b) -> bool:  # type: ignore[no-untyped-def]
         return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
 
     for n in range(3):
-        want, got = back[10**9 + n], back[10**9 + 100 + n]
+        want, got = back[core + n], back[other + n]
         for column in table.columns.keys():
             if column != "id":
                 assert same(got[column], want[column]), (n, column, got[column], want[column])
-    assert [back[10**9 + 100 + n]["state"] for n in range(3)] == ["running", "filtered", "committed"]
-    assert back[10**9 + 100]["try_no"] == 1  # the column's default
-    assert back[10**9 + 101]["rewards"] is None and back[10**9 + 100]["rewards"] is None
-    if postgres:  # JSON null and SQL NULL are different values there
+    assert [back[other + n]["state"] for n in range(3)] == ["running", "filtered", "committed"]
+    assert back[other]["try_no"] == 1  # the column's default
+    assert back[other + 1]["rewards"] is None and back[other]["rewards"] is None
+    if ledger.engine.dialect.name == "postgresql":  # JSON null and SQL NULL are different values there
         with ledger.session() as session:
-            nulls = dict(session.execute(select(table.c.id, table.c.rewards.is_(None)).where(table.c.id >= 10**9 + 100)).all())
-        assert nulls == {10**9 + 100: False, 10**9 + 101: True, 10**9 + 102: False}
+            nulls = dict(session.execute(select(table.c.id, table.c.rewards.is_(None)).where(table.c.id.in_(range(other, other + 3)))).all())
+        assert nulls == {other: False, other + 1: True, other + 2: False}
+
+
+def test_new_rows_sent_as_arrays_read_back_as_a_core_insert_writes_them(pg_ledger) -> None:  # type: ignore[no-untyped-def]
+    """`driver.unnest_insert` (a table's few new rows, sent in the round trip of a write's
+    UPDATEs) against SQLAlchemy's own `insert(table)`: every column reads back the same, as for
+    a COPY."""
+    from sqlalchemy import insert
+
+    from refill.models.driver import execute_pipelined, unnest_insert
+
+    d = Driver(pg_ledger, check=False)
+    d.admit()
+    table = Attempt.__table__
+    with pg_ledger.session() as session:
+        session.execute(insert(table), _new_attempts(d, 10**9))
+        statement = unnest_insert(pg_ledger.engine.dialect, table, _new_attempts(d, 10**9 + 100))
+        assert statement[0].startswith("INSERT INTO attempts (") and "unnest(" in statement[0]
+        assert execute_pipelined(session, [statement]) == [3]
+        session.commit()
+    _assert_written_as_core_writes_them(pg_ledger, 10**9, 10**9 + 100)
 
 
 def test_new_rows_the_database_refuses_raise_sqlalchemys_error_and_leave_nothing(pg_ledger) -> None:  # type: ignore[no-untyped-def]
@@ -566,3 +593,52 @@ def test_an_update_that_finds_fewer_rows_than_it_changed_fails_the_write(pg_ledg
             row.taken_at = datetime(2026, 12, 6, tzinfo=UTC)
         with pytest.raises(RuntimeError, match="update of spare_prompts matched 1 rows for 2 changed rows"):
             store.write()
+
+
+def test_a_writes_few_new_rows_go_out_with_its_updates_and_many_as_a_copy_in_table_order(pg_ledger, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A table's new rows up to `PIPELINED_INSERT_ROWS` go out in the round trip of the write's
+    UPDATEs; more, as a COPY of their own, after the pending inserts of the tables before it
+    (its rows may reference theirs: outbox rows their new attempts)."""
+    from refill.models import rows as rows_module
+    from refill.models.driver import PIPELINED
+    from refill.models.rows import OutboxRow
+
+    d = Driver(pg_ledger, check=False)
+    d.admit()
+    seen: list[tuple[str, str, bool]] = []
+
+    def listen(conn, cursor, statement, *args):  # type: ignore[no-untyped-def]
+        words = statement.split()
+        table = words[2] if words[0] == "INSERT" else words[1]
+        seen.append((words[0], table, bool(conn.info.get(PIPELINED))))
+
+    when = datetime(2026, 1, 1, tzinfo=UTC)
+
+    def outbox(attempt_id: int, id: int) -> dict[str, object]:
+        return {"id": id, "run_id": d.run_id, "kind": "generate", "attempt_id": attempt_id, "payload": {"id": id}, "created_at": when, "available_at": when, "send_count": 0}
+
+    def write(limit: int, outbox_rows: int) -> None:
+        monkeypatch.setattr(rows_module, "PIPELINED_INSERT_ROWS", limit)
+        seen.clear()
+        base = 10**9 + 1000 * limit
+        with pg_ledger.session() as session:
+            store = RowStore(session)
+            attempts, _ = _load(store, d.run_id)
+            attempts[0].error = f"limit {limit}"
+            [new] = [store.new(AttemptRow, values) for values in _new_attempts(d, base)[:1]]
+            for n in range(outbox_rows):
+                store.new(OutboxRow, outbox(new.id, base + n))
+            event.listen(pg_ledger.engine, "before_cursor_execute", listen)
+            try:
+                assert store.write() == 2 + outbox_rows
+            finally:
+                event.remove(pg_ledger.engine, "before_cursor_execute", listen)
+            session.commit()
+        with pg_ledger.session() as session:
+            assert session.scalar(select(Attempt.error).where(Attempt.id == attempts[0].id)) == f"limit {limit}"
+            assert session.scalars(select(Outbox.attempt_id).where(Outbox.id >= base, Outbox.id < base + 1000)).all() == [new.id] * outbox_rows
+
+    write(256, 2)  # a few rows: one round trip for all
+    assert seen == [("INSERT", "attempts", False), ("INSERT", "outbox", True), ("UPDATE", "attempts", True)], seen
+    write(1, 2)  # the attempt in the round trip before the COPY of the two outbox rows that reference it
+    assert seen == [("INSERT", "attempts", False), ("COPY", "outbox", False), ("UPDATE", "attempts", False)], seen
