@@ -1,10 +1,10 @@
 """Statements the ledger runs on psycopg directly, past SQLAlchemy's execution (PostgreSQL;
 elsewhere each falls back to SQLAlchemy): the reads that run every batch or relay pass
 (`rows`), new rows as one `COPY` (`insert_rows`) or, a few, as arrays (`unnest_insert`), a
-batch's writes in one round trip (`execute_pipelined`), and the spellings they need (`driver_values`, `array_text`). Each keeps
-what SQLAlchemy's execution gives its callers: the engine's cursor listeners see the statement,
-and a driver error comes out as SQLAlchemy's (so that `Ledger.transaction` retries what it
-would retry)."""
+batch's writes in one round trip (`execute_pipelined`), and the spellings they need
+(`driver_values`, `array_text`). Each keeps what SQLAlchemy's execution gives its callers: the
+engine's cursor listeners see the statement, and a driver error comes out as SQLAlchemy's (so
+that `Ledger.transaction` retries what it would retry)."""
 
 from __future__ import annotations
 
@@ -166,9 +166,8 @@ def insert_rows(executor: Session | Connection, table: Table, rows: list[dict[st
     in Python; COPY's rows are formatted in psycopg's C code and read by the server in one
     pass (4.4 and 3.1 ms against 1.6 ms for 90 new attempts, bench/README.md; since stop 42
     `array_text` spells the arrays, and a batch's few rows go out as `unnest_insert` with its
-    UPDATEs). The engine's
-    `before_cursor_execute` and `after_cursor_execute` listeners see it as one executemany of
-    `rows`; a driver error comes out as SQLAlchemy's, as from `session.execute`, so that
+    UPDATEs). The engine's `before_cursor_execute` and `after_cursor_execute` listeners see it
+    as one executemany of `rows`; a driver error comes out as SQLAlchemy's, as from `session.execute`, so that
     `Ledger.transaction` retries what it would retry. Elsewhere (SQLite) an executemany."""
     if not rows:
         return

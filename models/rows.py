@@ -389,7 +389,7 @@ class RowStore:
                 pending.append((cls.table, *driver.unnest_insert(self._dialect, cls.table, values), len(new)))
             else:
                 if pending:  # in table order: these rows may reference the pending ones
-                    self._run_pipelined(pending, [])
+                    self._send_together(pending, [])
                     pending = []
                 driver.insert_rows(self.session, cls.table, values)
             for row in new:
@@ -398,8 +398,11 @@ class RowStore:
         updates: list[tuple[Table, list[str], list[Row]]] = []
         for cls in _UPDATE_ORDER:
             written += self._changes(cls, updates)
-        if updates or pending:
-            self._update(updates, pending)
+        if self.postgres:
+            if updates or pending:
+                self._send_together(pending, updates)
+        else:
+            self._update_each(updates)
         self.writes += bool(written)
         return written
 
@@ -436,13 +439,19 @@ class RowStore:
                 _written(row)
         return sum(len(rows) for rows in shapes.values())
 
-    def _update(self, updates: list[tuple[Table, list[str], list[Row]]], inserts: list[tuple[Table, str, dict[str, Any], int]]) -> None:
-        """Run `inserts` (PostgreSQL: `RowStore.write`'s pending ones), then `updates` in their
-        order: on PostgreSQL each an `UPDATE ... FROM unnest`, all in one round trip with the
-        inserts (`driver.execute_pipelined`); elsewhere each an executemany."""
-        if self.postgres:
-            self._run_pipelined(inserts, updates)
-            return
+    def _send_together(self, inserts: list[tuple[Table, str, dict[str, Any], int]], updates: list[tuple[Table, list[str], list[Row]]]) -> None:
+        """PostgreSQL: `inserts` (`RowStore.write`'s pending ones), then `updates` in their
+        order, each an `UPDATE ... FROM unnest`, all in one round trip (`driver.execute_pipelined`)."""
+        dialect = self._dialect
+        statements = [(statement, params) for _, statement, params, _ in inserts]
+        statements += [unnest_update(dialect, table, keys, [row.__dict__ for row in rows]) for table, keys, rows in updates]
+        counts = driver.execute_pipelined(self.session, statements)
+        expected = [("insert", table, rows) for table, _, _, rows in inserts] + [("update", table, len(rows)) for table, _, rows in updates]
+        for (what, table, rows), count in zip(expected, counts, strict=True):
+            _check_count(what, table, count, rows)
+
+    def _update_each(self, updates: list[tuple[Table, list[str], list[Row]]]) -> None:
+        """Elsewhere (SQLite): `updates` in their order, each an executemany."""
         for table, keys, rows in updates:
             primary = [column.key for column in table.primary_key.columns]
             statement = _row_update(table, tuple(primary), tuple(keys))
@@ -452,15 +461,6 @@ class RowStore:
             ]
             count = self.session.execute(statement, params).rowcount
             _check_count("update", table, count, len(rows))
-
-    def _run_pipelined(self, inserts: list[tuple[Table, str, dict[str, Any], int]], updates: list[tuple[Table, list[str], list[Row]]]) -> None:
-        dialect = self._dialect
-        statements = [(statement, params) for _, statement, params, _ in inserts]
-        statements += [unnest_update(dialect, table, keys, [row.__dict__ for row in rows]) for table, keys, rows in updates]
-        counts = driver.execute_pipelined(self.session, statements)
-        expected = [("insert", table, rows) for table, _, _, rows in inserts] + [("update", table, len(rows)) for table, _, rows in updates]
-        for (what, table, rows), count in zip(expected, counts, strict=True):
-            _check_count(what, table, count, rows)
 
     @property
     def _dialect(self) -> Any:
