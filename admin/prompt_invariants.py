@@ -20,8 +20,8 @@ from sqlalchemy import func, select
 
 from refill.admin.invariant_types import Context, Violation
 from refill.models import decisions
-from refill.models.dataloader import epoch_order
-from refill.models.skipping import SkipSettings, epoch_uniforms
+from refill.models.dataloader import epoch_order, epoch_uniforms
+from refill.models.skipping import SkipSettings
 from refill.models.tables import Prompt, PromptDraw, Slot, SparePrompt, StepMetrics
 
 NAME = "prompt_draws"

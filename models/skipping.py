@@ -11,18 +11,16 @@ from the second epoch on, each kind's rate moves toward its target share of the 
 (`decisions.adapted_exploration_rate`); the rates live on the run row, written in the same
 transaction as the release.
 
-This module holds the settings, the history, the seeded uniforms and the adaptation; the
-loader's walk over the epoch (`refill.models.dataloader`) asks it.
+This module holds the settings, the history and the adaptation; the loader's walk over the
+epoch (`refill.models.dataloader`, which also holds each place's seeded uniform) asks it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
-import numpy as np
 from sqlalchemy import Integer, column, select, true, values
 from sqlalchemy.orm import Session
 
@@ -32,9 +30,6 @@ from refill.models.context import RunContext
 from refill.models.decisions import GroupKind
 from refill.models.sql import literal_in
 from refill.models.tables import Attempt, Run
-
-#: Mixed into the seed of an epoch's uniforms, so they are not the epoch order's stream.
-_UNIFORM_STREAM = 0x5C1B
 
 
 @dataclass(frozen=True)
@@ -90,14 +85,6 @@ def exploration_rates(run: Run, settings: SkipSettings) -> dict[GroupKind, float
         GroupKind.SOLVED: settings.exploration_rate if run.skip_exploration_solved is None else run.skip_exploration_solved,
         GroupKind.FAILED: settings.exploration_rate if run.skip_exploration_failed is None else run.skip_exploration_failed,
     }
-
-
-@lru_cache(maxsize=32)
-def epoch_uniforms(num_prompts: int, seed: int, epoch: int) -> tuple[float, ...]:
-    """The uniform of each place of epoch `epoch`'s order: a pure function of the run's seed,
-    so a restarted controller draws exactly what a live one would have."""
-    rng = np.random.default_rng([seed, epoch, _UNIFORM_STREAM])
-    return tuple(float(u) for u in rng.random(num_prompts))
 
 
 def streaks(

@@ -12,10 +12,11 @@ import pytest
 from refill.config import RunConfig, from_snapshot
 from refill.config.schema import PromptSkippingConfig
 from refill.models import decisions
+from refill.models.dataloader import epoch_uniforms
 from refill.models.dataset import DatasetError, load_dataset
 from refill.models.decisions import GroupKind
 from refill.models.payload import GenerationRequest
-from refill.models.skipping import SkipSettings, epoch_uniforms
+from refill.models.skipping import SkipSettings
 from refill.tasks.backends.sim import Learning, SimEngine
 
 S, F, M = GroupKind.SOLVED, GroupKind.FAILED, GroupKind.MIXED
@@ -174,3 +175,38 @@ def test_prompt_id_field_refuses_missing_wrong_and_repeated_ids(tmp_path: Path) 
     assert "line 2: has no 'id' field (data.prompt_id_field" in message
     assert "line 3: field 'id' (data.prompt_id_field) is a JSON boolean" in message
     assert "line 4: has the id '1' (data.prompt_id_field) of line 1; ids must be distinct" in message
+
+
+def test_the_epoch_orders_a_process_keeps_are_bounded_whatever_the_epochs_it_meets() -> None:
+    """A long run cycles its data set epoch after epoch; the loader keeps each epoch's order and
+    uniforms (the whole data set's), so what it keeps must not grow with the epochs: it held
+    32 epochs as tuples of Python objects, 25 MiB for 20,000 prompts (bench scale's memory
+    growth over a million attempts). Each is the seeded sequence, read-only."""
+    import gc
+    import tracemalloc
+
+    import numpy as np
+
+    from refill.models.dataloader import EPOCH_ORDERS_KEPT, epoch_order
+
+    prompts = 20_000
+    epoch_order.cache_clear()
+    epoch_uniforms.cache_clear()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        for epoch in range(40):
+            order, uniforms = epoch_order(prompts, 7, epoch, True), epoch_uniforms(prompts, 7, epoch)
+            assert list(order[:5]) == [int(i) for i in np.random.default_rng([7, epoch]).permutation(prompts)[:5]]
+            assert isinstance(order[0], int) and isinstance(uniforms[0], float)
+        del order, uniforms
+        gc.collect()
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # Machine integers and doubles: 12 bytes a place an epoch, for the epochs kept.
+    assert held <= EPOCH_ORDERS_KEPT * prompts * 12 * 1.1, held
+    assert epoch_order.cache_info().currsize == epoch_uniforms.cache_info().currsize == EPOCH_ORDERS_KEPT
+    assert list(epoch_order(5, 7, 0, False)) == [0, 1, 2, 3, 4]
+    with pytest.raises(TypeError):
+        epoch_order(prompts, 7, 39, True)[0] = 1  # type: ignore[index]
