@@ -50,9 +50,9 @@ def epoch_order(num_prompts: int, seed: int, epoch: int, shuffle: bool) -> Seque
     (bench/README.md, stop 42); a million prompts would have held 1.3 GB."""
     kind = np.int32 if num_prompts < 2**31 else np.int64
     if not shuffle:
-        return read_only(np.arange(num_prompts, dtype=kind))
+        return _read_only(np.arange(num_prompts, dtype=kind))
     rng = np.random.default_rng([seed, epoch])
-    return read_only(rng.permutation(num_prompts).astype(kind))
+    return _read_only(rng.permutation(num_prompts).astype(kind))
 
 
 #: Mixed into the seed of an epoch's uniforms, so they are not the epoch order's stream.
@@ -66,10 +66,10 @@ def epoch_uniforms(num_prompts: int, seed: int, epoch: int) -> Sequence[float]:
     seed, so a restarted controller decides exactly what a live one would have. A read-only
     view of doubles, kept as the orders are."""
     rng = np.random.default_rng([seed, epoch, _UNIFORM_STREAM])
-    return read_only(rng.random(num_prompts))
+    return _read_only(rng.random(num_prompts))
 
 
-def read_only(values: np.ndarray) -> memoryview:
+def _read_only(values: np.ndarray) -> memoryview:
     """`values` as a read-only memoryview: what a cache may hand to every caller."""
     return memoryview(values).toreadonly()
 
