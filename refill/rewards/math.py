@@ -41,6 +41,7 @@ Keyword arguments (``reward.kwargs`` in the run config): ``answer_key`` ["answer
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -95,6 +96,12 @@ def _check(
     from math_verify.errors import TimeoutException
 
     seconds = None if timeout_seconds is None else max(1, math.ceil(timeout_seconds))
+    # math-verify's SIGALRM handler raises its timeout in whatever Python code runs when the
+    # alarm fires. Inside a callback of the garbage collector (a weakref's, a finalizer's: CI
+    # saw SQLAlchemy's) the exception is reported as unraisable and dropped, and the
+    # verification runs on past its timeout. No collection runs while it verifies.
+    collecting = gc.isenabled()
+    gc.disable()
     try:
         gold = parse(
             gold_expression(gold_text, options.get("gold_format", "auto")),
@@ -123,6 +130,9 @@ def _check(
         raise
     except Exception as exc:
         raise VerifierError(f"math-verify failed: {type(exc).__name__}: {exc}") from exc
+    finally:
+        if collecting:
+            gc.enable()
     return 1.0 if equal else 0.0
 
 

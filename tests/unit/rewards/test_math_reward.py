@@ -129,3 +129,34 @@ def test_process_isolation_works_from_worker_threads_and_kills_stuck_helpers():
         pool.run({"completion": PATHOLOGICAL, "gold": "1", "timeout": 30, "options": {}}, 0.5)
     assert time.perf_counter() - started < 5
     assert verify(r"$\boxed{\frac{1}{2}}$", {"answer": "0.5"}) == 1.0
+
+
+def test_the_collector_does_not_run_while_math_verify_works(monkeypatch):
+    """math-verify raises its timeout from a SIGALRM handler, in whatever Python code runs when
+    the alarm fires; in a garbage collector's callback the exception is dropped as unraisable and
+    the verification runs on (this file's timeout test failed so in CI, the alarm landing in
+    SQLAlchemy's weakref callback). So no collection runs during a verification, and the
+    collector is as it was after it, whatever the verification did."""
+    import gc
+
+    import math_verify
+
+    seen: list[bool] = []
+
+    def recording(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return True
+
+    monkeypatch.setattr(math_verify, "verify", recording)
+    assert gc.isenabled()
+    assert verify("#### 7", {"answer": "7"}, isolation="inline") == 1.0
+    assert seen == [False] and gc.isenabled()
+    with pytest.raises(VerifierError):
+        verify("#### 7", {"answer": "   "}, isolation="inline")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        verify("#### 7", {"answer": "7"}, isolation="inline")
+        assert not gc.isenabled()  # left as the caller had it
+    finally:
+        gc.enable()
