@@ -13,11 +13,11 @@ migrations, so the same indexes and constraints), one transaction for each of th
 the step's order: deletes, then per table (parents first) its new rows in one statement, then
 per table and set of changed columns one `UPDATE ... FROM unnest(...)` with one array parameter
 per column, the transaction's UPDATEs sent together. Rows go in and change as the ledger writes
-them (`refill.models.rows.RowStore.write`: a table's few new rows as `refill.models.driver.unnest_insert`
-in the round trip of the UPDATEs, thousands as `refill.models.driver.insert_rows`, a COPY;
-`refill.models.rows.unnest_update`, the arrays spelled as text, all sent by
-`refill.models.driver.execute_pipelined`): the floor is what writing the rows costs, so it writes
-them no slower than the ledger does (until stop 37 its UPDATEs went one round trip each, their
+them, with the ledger's own `refill.models.rows.send_changes` (which `RowStore.write` calls: a
+table's few new rows as `refill.models.driver.unnest_insert` in the round trip of the UPDATEs,
+thousands as `refill.models.driver.insert_rows`, a COPY; `refill.models.rows.unnest_update`, the
+arrays spelled as text, all sent by `refill.models.driver.execute_pipelined`): the floor is
+what writing the rows costs, so it writes them no slower than the ledger does (until stop 37 its UPDATEs went one round trip each, their
 arrays spelled by psycopg element by element, about a fifth of the floor; until stop 42 every
 insert was a COPY of its own).
 The setup, the workers' lease handshakes and the trainer's claim are replayed too (so every row
@@ -36,8 +36,7 @@ from typing import Any
 from sqlalchemy import JSON, Engine, Table, delete, func, null, select, text, tuple_
 
 from bench.machine import process_cpu
-from refill.models.driver import execute_pipelined, insert_rows, unnest_insert
-from refill.models.rows import PIPELINED_INSERT_ROWS, unnest_update
+from refill.models.rows import send_changes
 
 
 @dataclass
@@ -197,35 +196,16 @@ def _write(conn: Any, tables: list[Table], change: Change) -> int:
         if keys:
             conn.execute(delete(table).where(tuple_(*table.primary_key.columns).in_(keys)))
             statements += 1
-    # As the ledger writes them (`RowStore.write`): a table's few new rows go out with the
-    # UPDATEs in one round trip, thousands as a COPY of their own, in table order.
-    dialect = conn.dialect
-    pending: list[tuple[str, Any, int]] = []
-    for table in tables:
-        rows = change.inserts.get(table.name)
-        if rows:
-            if len(rows) <= PIPELINED_INSERT_ROWS:
-                pending.append(("insert", table, len(rows), unnest_insert(dialect, table, _json_nulls(table, rows))))
-            else:
-                if pending:
-                    _pipelined(conn, pending)
-                    pending = []
-                insert_rows(conn, table, _json_nulls(table, rows))
-            statements += 1
-    for table in tables:
-        for columns, rows in sorted(change.updates.get(table.name, {}).items()):
-            pending.append(("update", table, len(rows), unnest_update(dialect, table, list(columns), _json_nulls(table, rows))))
-            statements += 1
-    if pending:
-        _pipelined(conn, pending)
-    return statements
-
-
-def _pipelined(conn: Any, statements: list[tuple[str, Any, int]]) -> None:
-    counts = execute_pipelined(conn, [statement for *_, statement in statements])
-    for (what, table, rows, _), count in zip(statements, counts, strict=True):
-        if count != rows:
-            raise RuntimeError(f"floor: {what} of {table.name} matched {count} of {rows} rows")
+    # As the ledger writes them (`RowStore.write`): `send_changes` sends a table's few new
+    # rows with the UPDATEs in one round trip, thousands as a COPY of their own, in table order.
+    inserts = [(table, _json_nulls(table, change.inserts[table.name])) for table in tables if change.inserts.get(table.name)]
+    updates = [
+        (table, list(columns), _json_nulls(table, rows))
+        for table in tables
+        for columns, rows in sorted(change.updates.get(table.name, {}).items())
+    ]
+    send_changes(conn, inserts, updates)
+    return statements + len(inserts) + len(updates)
 
 
 def _json_nulls(table: Table, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -12,7 +12,8 @@ same), and writes what changed when the operation flushes:
 2. **changed rows** as one `UPDATE` per table and set of changed columns: on PostgreSQL
    `UPDATE t SET c = v.c FROM unnest(:ids, :c...) AS v(...)` with one array parameter per
    column, a write's every UPDATE sent in one round trip with its few new rows
-   (`driver.execute_pipelined`), elsewhere an executemany. A row's changes are found by comparing the columns set
+   (`send_changes`, which `bench overhead`'s floor writes with too), elsewhere an
+   executemany. A row's changes are found by comparing the columns set
    since it was read or last written with the values they held then (`Row._set`, kept by the
    row as each column is first set), so a column nobody set is never written back:
    a worker's heartbeat or lease handshake, committed meanwhile to other columns of the same
@@ -34,6 +35,7 @@ from typing import Any, ClassVar, NamedTuple
 
 from sqlalchemy import (
     JSON,
+    Connection,
     Table,
     and_,
     bindparam,
@@ -377,21 +379,13 @@ class RowStore:
     def write(self) -> int:
         """Write every new and changed row; returns the rows written."""
         written = 0
-        # (table, SQL, parameters, rows) of the inserts that go out with the UPDATEs
-        pending: list[tuple[Table, str, dict[str, Any], int]] = []
+        inserts: list[tuple[Table, list[dict[str, Any]]]] = []  # in table order
         for cls in _INSERT_ORDER:
             new = self._new[cls]
             if not new:
                 continue
             self._new[cls] = []
-            values = _insert_values(cls.table, new)
-            if self.postgres and len(new) <= PIPELINED_INSERT_ROWS:
-                pending.append((cls.table, *driver.unnest_insert(self._dialect, cls.table, values), len(new)))
-            else:
-                if pending:  # in table order: these rows may reference the pending ones
-                    self._send_together(pending, [])
-                    pending = []
-                driver.insert_rows(self.session, cls.table, values)
+            inserts.append((cls.table, _insert_values(cls.table, new)))
             for row in new:
                 _written(row)
             written += len(new)
@@ -399,9 +393,10 @@ class RowStore:
         for cls in _UPDATE_ORDER:
             written += self._changes(cls, updates)
         if self.postgres:
-            if updates or pending:
-                self._send_together(pending, updates)
+            send_changes(self.session, inserts, [(table, keys, [row.__dict__ for row in rows]) for table, keys, rows in updates])
         else:
+            for table, values in inserts:
+                driver.insert_rows(self.session, table, values)
             self._update_each(updates)
         self.writes += bool(written)
         return written
@@ -439,17 +434,6 @@ class RowStore:
                 _written(row)
         return sum(len(rows) for rows in shapes.values())
 
-    def _send_together(self, inserts: list[tuple[Table, str, dict[str, Any], int]], updates: list[tuple[Table, list[str], list[Row]]]) -> None:
-        """PostgreSQL: `inserts` (`RowStore.write`'s pending ones), then `updates` in their
-        order, each an `UPDATE ... FROM unnest`, all in one round trip (`driver.execute_pipelined`)."""
-        dialect = self._dialect
-        statements = [(statement, params) for _, statement, params, _ in inserts]
-        statements += [unnest_update(dialect, table, keys, [row.__dict__ for row in rows]) for table, keys, rows in updates]
-        counts = driver.execute_pipelined(self.session, statements)
-        expected = [("insert", table, rows) for table, _, _, rows in inserts] + [("update", table, len(rows)) for table, _, rows in updates]
-        for (what, table, rows), count in zip(expected, counts, strict=True):
-            _check_count(what, table, count, rows)
-
     def _update_each(self, updates: list[tuple[Table, list[str], list[Row]]]) -> None:
         """Elsewhere (SQLite): `updates` in their order, each an executemany."""
         for table, keys, rows in updates:
@@ -467,11 +451,46 @@ class RowStore:
         return self.session.get_bind().dialect
 
 
-#: Up to how many new rows of a table `RowStore.write` inserts with an `INSERT ... SELECT FROM
-#: unnest` in the round trip of its UPDATEs (`driver.unnest_insert`), not a COPY of their own:
+#: Up to how many new rows of a table `send_changes` inserts with an `INSERT ... SELECT FROM
+#: unnest` in the round trip of the UPDATEs (`driver.unnest_insert`), not a COPY of their own:
 #: a batch of results makes a few dozen a table, a step's admission thousands (bench/README.md,
 #: stop 42).
 PIPELINED_INSERT_ROWS = 256
+
+
+def send_changes(
+    executor: Session | Connection,
+    inserts: Sequence[tuple[Table, list[dict[str, Any]]]],
+    updates: Sequence[tuple[Table, Sequence[str], Sequence[Mapping[str, Any]]]],
+) -> None:
+    """PostgreSQL: insert each table's new rows (`inserts`, in table order, as `driver.insert_rows`
+    takes them), then update each table's changed ones (`updates`: the columns set and the rows,
+    primary key included, each an `UPDATE ... FROM unnest`), checking every statement's count.
+
+    A table's few new rows (up to `PIPELINED_INSERT_ROWS`) and the UPDATEs go out together in
+    one round trip (`driver.execute_pipelined`); more go out as a COPY of their own, after the
+    pending inserts of the tables before it (its rows may reference theirs). `RowStore.write`
+    writes a batch's changes with it, and `bench overhead`'s floor the same rows."""
+    dialect = executor.get_bind().dialect if isinstance(executor, Session) else executor.dialect
+    pending: list[tuple[str, Table, int, tuple[str, dict[str, Any]]]] = []
+    for table, values in inserts:
+        if len(values) <= PIPELINED_INSERT_ROWS:
+            pending.append(("insert", table, len(values), driver.unnest_insert(dialect, table, values)))
+        else:
+            _send_pipelined(executor, pending)
+            pending = []
+            driver.insert_rows(executor, table, values)
+    for table, keys, rows in updates:
+        pending.append(("update", table, len(rows), unnest_update(dialect, table, keys, rows)))
+    _send_pipelined(executor, pending)
+
+
+def _send_pipelined(executor: Session | Connection, pending: list[tuple[str, Table, int, tuple[str, dict[str, Any]]]]) -> None:
+    if not pending:
+        return
+    counts = driver.execute_pipelined(executor, [statement for *_, statement in pending])
+    for (what, table, rows, _), count in zip(pending, counts, strict=True):
+        _check_count(what, table, count, rows)
 
 
 def _check_count(what: str, table: Table, count: int, rows: int) -> None:
