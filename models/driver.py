@@ -294,6 +294,10 @@ def driver_values(dialect: Any, column: Any, values: list[Any]) -> list[Any]:
     return values
 
 
+def _timestamp_text(value: datetime) -> str:
+    return '"' + value.isoformat(" ") + '"'
+
+
 def _quoted(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
@@ -304,7 +308,7 @@ _ELEMENT_TEXT: dict[type, Any] = {
     float: repr,  # the shortest exact form; 'nan', 'inf' and '-inf' are PostgreSQL's too
     bool: lambda value: "t" if value else "f",
     str: _quoted,
-    datetime: lambda value: '"' + value.isoformat(" ") + '"',
+    datetime: _timestamp_text,
 }
 
 
@@ -320,7 +324,14 @@ def array_text(values: list[Any]) -> str | list[Any]:
     kinds.discard(NoneType)
     if len(kinds) > 1:
         return values
-    text = _ELEMENT_TEXT.get(kinds.pop()) if kinds else str
+    kind = kinds.pop() if kinds else NoneType
+    if kind is datetime:
+        # A step's timestamps are few values (`bench overhead`: 3,074 among 82,941): each is
+        # spelled once (`isoformat` for every value was 3% of a batch's Python). Equal aware
+        # timestamps are one instant, which is what a timestamptz stores.
+        spelled = {value: "NULL" if value is None else _timestamp_text(value) for value in set(values)}
+        return "{" + ",".join([spelled[value] for value in values]) + "}"
+    text = _ELEMENT_TEXT.get(kind, str if kind is NoneType else None)
     if text is None:
         return values
     return "{" + ",".join(["NULL" if value is None else text(value) for value in values]) + "}"

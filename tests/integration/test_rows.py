@@ -477,7 +477,7 @@ def test_an_array_parameter_written_as_text_reads_back_as_the_list_itself(pg_led
     own spelling of a list costs ten times more): every kind of value it writes, cast to its
     column's type, reads back as psycopg's spelling of the same list does, quotes, backslashes,
     braces, commas, the word NULL, empty and multi-line strings, NULLs, non-finite floats and
-    time zones included."""
+    time zones and repeated timestamps included."""
     import math
     from datetime import UTC, datetime, timedelta, timezone
 
@@ -494,6 +494,10 @@ def test_an_array_parameter_written_as_text_reads_back_as_the_list_itself(pg_led
         "timestamp with time zone": [
             datetime(2026, 12, 5, 23, 0, 0, 123456, tzinfo=UTC),
             datetime(2026, 1, 1, tzinfo=timezone(timedelta(hours=-5, minutes=-30))),
+            None,
+            # a value again (spelled once), and the same instant at another offset
+            datetime(2026, 12, 5, 23, 0, 0, 123456, tzinfo=UTC),
+            datetime(2026, 12, 5, 18, 0, 0, 123456, tzinfo=timezone(timedelta(hours=-5))),
             None,
         ],
         "integer": [None, None],
