@@ -19,8 +19,10 @@ from sqlalchemy import (
     Boolean,
     Integer,
     String,
+    Text,
     and_,
     bindparam,
+    cast,
     exists,
     func,
     or_,
@@ -355,6 +357,34 @@ def live_attempts(run_id: int, keys: Iterable[tuple[int, int]], *, lock: bool = 
     says why)."""
     steps, params = _slot_key_params(keys, "live")
     return Query(_live_attempts(steps, lock), {"run_id": run_id, **params})
+
+
+@cache
+def _step_groups() -> Select[Any]:
+    return (
+        select(
+            _groups.c.attempt_id,
+            _groups.c.rollout,
+            _groups.c.completion_texts,
+            # As text, for `joint_read.read_json` (orjson): the standard library's reading of a
+            # step's reward lists (psycopg's for JSONB) was a third of the trainer's claim.
+            cast(_groups.c.rewards, Text).label("rewards"),
+            _groups.c.weight_version,
+            _groups.c.payload_ref,
+            _groups.c.payload_bytes,
+            _groups.c.payload_checksum,
+            _groups.c.num_tokens,
+        )
+        .join(_slots, _slots.c.group_attempt_id == _groups.c.attempt_id)
+        .where(_slots.c.run_id == bindparam("run_id"), _slots.c.step == bindparam("step"), _slots.c.status == literal(_SLOT_COMMITTED))
+        .order_by(_slots.c.idx)
+    )
+
+
+def step_groups(run_id: int, step: int) -> Query:
+    """The groups committed to step `step`'s slots, in slot order, with their payloads (or
+    where they are stored) and their rewards as JSON text: what the trainer's claim reads."""
+    return Query(_step_groups(), {"run_id": run_id, "step": step})
 
 
 @cache

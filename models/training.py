@@ -21,11 +21,12 @@ from typing import Any
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from refill.models import decisions, rollout_codec
+from refill.models import decisions, driver, rollout_codec, sql
 from refill.models.admission import admit
 from refill.models.barrier import queue_training
 from refill.models.clock import ledger_now_in
 from refill.models.context import RunContext
+from refill.models.joint_read import read_json
 from refill.models.metrics import seconds_between
 from refill.models.payload import PayloadRef, TrainGroup
 from refill.models.payload_store import FileStore, StoredGroup, read_groups
@@ -34,7 +35,6 @@ from refill.models.slots import RunFailed, fail_run
 from refill.models.tables import (
     Group,
     Slot,
-    SlotStatus,
     Step,
     StepMetrics,
     StepStatus,
@@ -139,26 +139,12 @@ def claim_training(
                 since = previous.trained_at if previous is not None else ctx.run.started_at
                 idle = seconds_between(since, row.released_at)
                 metrics.trainer_idle_seconds = max(0.0, idle) if idle is not None else None
-        # Columns, not Group objects: the step's groups are read once, under the run's lock, and
-        # the session need not track thousands of large rows it never changes.
-        rows = session.execute(
-            select(
-                Group.attempt_id,
-                Group.rollout,
-                Group.completion_texts,
-                Group.rewards,
-                Group.weight_version,
-                Group.payload_ref,
-                Group.payload_bytes,
-                Group.payload_checksum,
-                Group.num_tokens,
-            )
-            .join(Slot, Slot.group_attempt_id == Group.attempt_id)
-            .where(Slot.run_id == run_id, Slot.step == step, Slot.status == SlotStatus.COMMITTED.value)
-            .order_by(Slot.idx)
-        )
+        # Plain rows, not Group objects: the step's groups are read once, under the run's lock,
+        # and the session need not track thousands of large rows it never changes.
+        rows = driver.rows(session, *sql.step_groups(run_id, step))
         groups: list[TrainGroup | _Stored] = []
         for group in rows:
+            rewards = read_json(group.rewards)
             if decisions.staleness(step, group.weight_version) > ctx.settings.max_lookahead_versions:
                 raise StalenessViolation(
                     f"group {group.attempt_id} was generated with weights v{group.weight_version}, "
@@ -167,8 +153,8 @@ def claim_training(
                 )
             if group.payload_ref is not None:
                 ref = PayloadRef(group.payload_ref, group.payload_bytes, group.payload_checksum)
-                stored = StoredGroup(group.attempt_id, ref, len(group.rewards), group.num_tokens)
-                groups.append(_Stored(stored, list(group.rewards), group.weight_version))
+                stored = StoredGroup(group.attempt_id, ref, len(rewards), group.num_tokens)
+                groups.append(_Stored(stored, rewards, group.weight_version))
                 continue
             try:
                 prompt_token_ids, completions = rollout_codec.decode(group.rollout, group.completion_texts, arrays=True)
@@ -181,7 +167,7 @@ def claim_training(
                     attempt_id=group.attempt_id,
                     prompt_token_ids=prompt_token_ids,
                     completions=completions,
-                    rewards=list(group.rewards),
+                    rewards=rewards,
                     weight_version=group.weight_version,
                 )
             )
