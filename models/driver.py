@@ -100,7 +100,8 @@ def _bound(dialect: Dialect, statement: Executable, params: dict[str, Any]) -> t
         sql_text, values, processors = shape.fixed, shape.compiled.construct_params(params), shape.bind_processors
     else:
         expanded = shape.compiled.construct_expanded_state(params)
-        sql_text, values, processors = expanded.statement, dict(expanded.parameters), expanded.processors
+        sql_text, values = expanded.statement, dict(expanded.parameters)
+        processors = {**shape.compiled._bind_processors, **expanded.processors}
     for name, process in processors.items():
         if name in values:
             values[name] = process(values[name])
@@ -116,7 +117,10 @@ class _Shape:
         self.compiled = compiled
         #: the SQL of every execution, where no value is written into it per execution; else None
         self.fixed: str | None = None
-        self.bind_processors: Mapping[str, Callable[[Any], Any]] = {}
+        #: each parameter's type's bind processor, as an execution through SQLAlchemy applies it
+        #: (an id list's array text, a timestamp's check): the compiled statement's own, and
+        #: those of the values written in at execution
+        self.bind_processors: Mapping[str, Callable[[Any], Any]] = compiled._bind_processors
         late = [*compiled.literal_execute_params, *compiled.post_compile_params]
         if all(param.key.startswith("%(") for param in late):
             # Every value written into the SQL at execution is an anonymous one, given when
@@ -128,7 +132,7 @@ class _Shape:
             given = {name: None for param, name in compiled.bind_names.items() if param.required}
             expanded = compiled.construct_expanded_state(given)
             self.fixed = expanded.statement
-            self.bind_processors = expanded.processors
+            self.bind_processors = {**compiled._bind_processors, **expanded.processors}
         columns = compiled._result_columns
         #: a tuple class with the statement's column names, as SQLAlchemy's rows have them
         self.row: Callable[..., Any] = namedtuple("Row", [column.keyname for column in columns], rename=True)  # type: ignore[misc]

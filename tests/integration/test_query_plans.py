@@ -101,6 +101,36 @@ def test_a_metered_relay_pass_reads_its_runs_first_rows_whatever_the_statistics_
     assert buffers < 2000, f"a relay pass touched {buffers} buffers for {DEFAULT_QUEUED_PER_SHARE} rows of 5,000"
 
 
+def test_an_id_list_is_a_constant_the_planner_counts(pg_ledger) -> None:  # type: ignore[no-untyped-def]
+    """`sql.ids_in` sends its list as the text of an array, untyped, and the statement's cast
+    makes that parameter the array itself when PostgreSQL parses it: the planner sees a
+    constant and counts its elements (80 ids, 80 rows expected by primary key). Bound as a
+    string, which psycopg's dialect casts to varchar, the cast was an expression whose length the
+    planner guessed (10), and under such plans the relay and admission read whole tables
+    (`bench overhead` took 37-44 s, stop 43)."""
+    from refill.models import driver
+    from refill.models.tables import Attempt
+
+    attempts = Attempt.__table__
+    ids = list(range(10**12, 10**12 + 80))
+    statement = select(attempts.c.id).where(sql.ids_in(attempts.c.id, ids))
+    with plans.statements_run(pg_ledger, lambda text_, _: "FROM attempts" in text_) as seen:
+        with pg_ledger.session() as session:
+            assert driver.rows(session, statement, {}) == []
+    [(sent, parameters)] = seen
+    assert "VARCHAR" not in sent.upper() and list(parameters.values()) == ["{" + ",".join(map(str, ids)) + "}"]
+    raw = pg_ledger.engine.raw_connection()
+    try:
+        cursor = raw.cursor()
+        cursor.execute("EXPLAIN (FORMAT JSON) " + sent, parameters)
+        [[plan]] = cursor.fetchall()
+        raw.rollback()
+    finally:
+        raw.close()
+    top = plan[0]["Plan"]
+    assert top["Plan Rows"] == len(ids), top
+
+
 @pytest.mark.parametrize("with_extra", [False, True], ids=["own-groups", "with-an-extra"])
 def test_a_batchs_first_read_ahead_under_a_generic_plan_reads_about_its_own_rows(pg_ledger, with_extra) -> None:  # type: ignore[no-untyped-def]
     """The first read of a batch of results (its attempts by id and the slots they serve,
