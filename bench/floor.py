@@ -17,9 +17,10 @@ them, with the ledger's own `refill.models.rows.send_changes` (which `RowStore.w
 table's few new rows as `refill.models.driver.unnest_insert` in the round trip of the UPDATEs,
 thousands as `refill.models.driver.insert_rows`, a COPY; `refill.models.rows.unnest_update`, the
 arrays spelled as text, all sent by `refill.models.driver.execute_pipelined`): the floor is
-what writing the rows costs, so it writes them no slower than the ledger does (until stop 37 its UPDATEs went one round trip each, their
-arrays spelled by psycopg element by element, about a fifth of the floor; until stop 42 every
-insert was a COPY of its own).
+what writing the rows costs, so it writes them no slower than the ledger does (until stop 37
+its UPDATEs went one round trip each, their arrays spelled by psycopg element by element, about
+a fifth of the floor; until stop 42 every insert was a COPY of its own; until stop 43 it had its
+own copy of the ledger's choice between the two).
 The setup, the workers' lease handshakes and the trainer's claim are replayed too (so every row
 is as the step found it), timed under their own names; only admission, relay and record are the
 floor.

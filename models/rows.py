@@ -13,9 +13,9 @@ same), and writes what changed when the operation flushes:
    `UPDATE t SET c = v.c FROM unnest(:ids, :c...) AS v(...)` with one array parameter per
    column, a write's every UPDATE sent in one round trip with its few new rows
    (`send_changes`, which `bench overhead`'s floor writes with too), elsewhere an
-   executemany. A row's changes are found by comparing the columns set
-   since it was read or last written with the values they held then (`Row._set`, kept by the
-   row as each column is first set), so a column nobody set is never written back:
+   executemany. A row's changes are found by comparing the columns set since it was read or
+   last written with the values they held then (`Row._set`, kept by the row as each column is
+   first set), so a column nobody set is never written back:
    a worker's heartbeat or lease handshake, committed meanwhile to other columns of the same
    attempt, survives.
 
@@ -445,10 +445,6 @@ class RowStore:
             ]
             count = self.session.execute(statement, params).rowcount
             _check_count("update", table, count, len(rows))
-
-    @property
-    def _dialect(self) -> Any:
-        return self.session.get_bind().dialect
 
 
 #: Up to how many new rows of a table `send_changes` inserts with an `INSERT ... SELECT FROM
