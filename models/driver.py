@@ -101,7 +101,7 @@ def _bound(dialect: Dialect, statement: Executable, params: dict[str, Any]) -> t
     else:
         expanded = shape.compiled.construct_expanded_state(params)
         sql_text, values = expanded.statement, dict(expanded.parameters)
-        processors = {**shape.compiled._bind_processors, **expanded.processors}
+        processors = {**shape.bind_processors, **expanded.processors}
     for name, process in processors.items():
         if name in values:
             values[name] = process(values[name])
@@ -171,8 +171,9 @@ def insert_rows(executor: Session | Connection, table: Table, rows: list[dict[st
     pass (4.4 and 3.1 ms against 1.6 ms for 90 new attempts, bench/README.md; since stop 42
     `array_text` spells the arrays, and a batch's few rows go out as `unnest_insert` with its
     UPDATEs). The engine's `before_cursor_execute` and `after_cursor_execute` listeners see it
-    as one executemany of `rows`; a driver error comes out as SQLAlchemy's, as from `session.execute`, so that
-    `Ledger.transaction` retries what it would retry. Elsewhere (SQLite) an executemany."""
+    as one executemany of `rows`; a driver error comes out as SQLAlchemy's, as from
+    `session.execute`, so that `Ledger.transaction` retries what it would retry. Elsewhere
+    (SQLite) an executemany."""
     if not rows:
         return
     connection = executor.connection() if isinstance(executor, Session) else executor
@@ -306,13 +307,13 @@ def _quoted(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-#: How `array_text` writes a value of each Python type an array parameter holds.
+#: How `array_text` writes a value of each Python type an array parameter holds (a timestamp:
+#: `_timestamp_text`, once per distinct value).
 _ELEMENT_TEXT: dict[type, Any] = {
     int: str,
     float: repr,  # the shortest exact form; 'nan', 'inf' and '-inf' are PostgreSQL's too
     bool: lambda value: "t" if value else "f",
     str: _quoted,
-    datetime: _timestamp_text,
 }
 
 
@@ -335,7 +336,7 @@ def array_text(values: list[Any]) -> str | list[Any]:
         # timestamps are one instant, which is what a timestamptz stores.
         spelled = {value: "NULL" if value is None else _timestamp_text(value) for value in set(values)}
         return "{" + ",".join([spelled[value] for value in values]) + "}"
-    text = _ELEMENT_TEXT.get(kind, str if kind is NoneType else None)
+    text = str if kind is NoneType else _ELEMENT_TEXT.get(kind)
     if text is None:
         return values
     return "{" + ",".join(["NULL" if value is None else text(value) for value in values]) + "}"
