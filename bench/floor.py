@@ -15,7 +15,7 @@ per table and set of changed columns one `UPDATE ... FROM unnest(...)` with one 
 per column, the transaction's UPDATEs sent together. Rows go in and change as the ledger writes
 them, with the ledger's own `refill.models.rows.send_changes` (which `RowStore.write` calls: a
 table's few new rows as `refill.models.driver.unnest_insert` in the round trip of the UPDATEs,
-thousands as `refill.models.driver.insert_rows`, a COPY; `refill.models.rows.unnest_update`, the
+thousands as `refill.models.driver.insert_rows`, a COPY; `refill.models.driver.unnest_update`, the
 arrays spelled as text, all sent by `refill.models.driver.execute_pipelined`): the floor is
 what writing the rows costs, so it writes them no slower than the ledger does (until stop 37
 its UPDATEs went one round trip each, their arrays spelled by psycopg element by element, about

@@ -9,7 +9,7 @@ that `Ledger.transaction` retries what it would retry)."""
 from __future__ import annotations
 
 from collections import namedtuple
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from enum import Enum
@@ -207,6 +207,36 @@ def unnest_insert(dialect: Dialect, table: Table, rows: list[dict[str, Any]]) ->
 def _insert_statement(dialect: Dialect, table: Table, names: tuple[str, ...]) -> str:
     casts = ", ".join(f"CAST(%(c{i})s AS {table.c[name].type.compile(dialect)}[])" for i, name in enumerate(names))
     return f"INSERT INTO {table.name} ({', '.join(names)}) SELECT * FROM unnest({casts})"
+
+
+def unnest_update(dialect: Any, table: Table, keys: Sequence[str], rows: Sequence[Mapping[str, Any]]) -> tuple[str, dict[str, Any]]:
+    """`UPDATE table AS t SET c = v.c ... FROM unnest(...) AS v(...) WHERE t.pk = v.pk` of
+    `rows` (the primary key and `keys` of each), one array parameter per column (a statement
+    psycopg prepares once, whatever the row count), as psycopg takes it (`execute_pipelined`),
+    with its values. `bench overhead`'s floor writes its updates with it too."""
+    primary = tuple(column.key for column in table.primary_key.columns)
+    arrays: dict[str, Any] = {}
+    for i, name in enumerate(primary):
+        arrays[f"k{i}"] = array_text(driver_values(dialect, table.c[name], [row[name] for row in rows]))
+    for i, key in enumerate(keys):
+        # As a per-row update writes each value: a JSON None is JSON null, an int in a float
+        # column a float (psycopg refuses an array of mixed types).
+        arrays[f"c{i}"] = array_text(driver_values(dialect, table.c[key], [row[key] for row in rows]))
+    return _unnest_statement(dialect, table, primary, tuple(keys)), arrays
+
+
+@lru_cache(maxsize=512)
+def _unnest_statement(dialect: Any, table: Table, primary: tuple[str, ...], keys: tuple[str, ...]) -> str:
+    """The SQL of `unnest_update`, built once per table and set of columns."""
+    casts = [f"CAST(%(k{i})s AS {table.c[name].type.compile(dialect)}[])" for i, name in enumerate(primary)]
+    casts += [f"CAST(%(c{i})s AS {table.c[key].type.compile(dialect)}[])" for i, key in enumerate(keys)]
+    assignments = ", ".join(f"{key} = v.{key}" for key in keys)
+    match = " AND ".join(f"t.{name} = v.{name}" for name in primary)
+    names = [*primary, *keys]
+    return (
+        f"UPDATE {table.name} AS t SET {assignments} "
+        f"FROM unnest({', '.join(casts)}) AS v({', '.join(names)}) WHERE {match}"
+    )
 
 
 def _insert_columns(dialect: Dialect, table: Table, rows: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:

@@ -477,7 +477,7 @@ def send_changes(
             pending = []
             driver.insert_rows(executor, table, values)
     for table, keys, rows in updates:
-        pending.append(("update", table, len(rows), unnest_update(dialect, table, keys, rows)))
+        pending.append(("update", table, len(rows), driver.unnest_update(dialect, table, keys, rows)))
     _send_pipelined(executor, pending)
 
 
@@ -557,34 +557,4 @@ def _row_update(table: Table, primary: tuple[str, ...], keys: tuple[str, ...]) -
         update(table)
         .where(and_(*(table.c[name] == bindparam(f"k_{name}") for name in primary)))
         .values({key: bindparam(f"v_{key}") for key in keys})
-    )
-
-
-def unnest_update(dialect: Any, table: Table, keys: Sequence[str], rows: Sequence[Mapping[str, Any]]) -> tuple[str, dict[str, Any]]:
-    """`UPDATE table AS t SET c = v.c ... FROM unnest(...) AS v(...) WHERE t.pk = v.pk` of
-    `rows` (the primary key and `keys` of each), one array parameter per column (a statement
-    psycopg prepares once, whatever the row count), as psycopg takes it (`driver.execute_pipelined`),
-    with its values. `bench overhead`'s floor writes its updates with it too."""
-    primary = tuple(column.key for column in table.primary_key.columns)
-    arrays: dict[str, Any] = {}
-    for i, name in enumerate(primary):
-        arrays[f"k{i}"] = driver.array_text(driver.driver_values(dialect, table.c[name], [row[name] for row in rows]))
-    for i, key in enumerate(keys):
-        # As a per-row update writes each value: a JSON None is JSON null, an int in a float
-        # column a float (psycopg refuses an array of mixed types).
-        arrays[f"c{i}"] = driver.array_text(driver.driver_values(dialect, table.c[key], [row[key] for row in rows]))
-    return _unnest_statement(dialect, table, primary, tuple(keys)), arrays
-
-
-@lru_cache(maxsize=512)
-def _unnest_statement(dialect: Any, table: Table, primary: tuple[str, ...], keys: tuple[str, ...]) -> str:
-    """The SQL of `unnest_update`, built once per table and set of columns."""
-    casts = [f"CAST(%(k{i})s AS {table.c[name].type.compile(dialect)}[])" for i, name in enumerate(primary)]
-    casts += [f"CAST(%(c{i})s AS {table.c[key].type.compile(dialect)}[])" for i, key in enumerate(keys)]
-    assignments = ", ".join(f"{key} = v.{key}" for key in keys)
-    match = " AND ".join(f"t.{name} = v.{name}" for name in primary)
-    names = [*primary, *keys]
-    return (
-        f"UPDATE {table.name} AS t SET {assignments} "
-        f"FROM unnest({', '.join(casts)}) AS v({', '.join(names)}) WHERE {match}"
     )
