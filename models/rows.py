@@ -15,7 +15,9 @@ same), and writes what changed when the operation flushes:
    (`send_changes`, which `bench overhead`'s floor writes with too), elsewhere an
    executemany. A row's changes are found by comparing the columns set since it was read or
    last written with the values they held then (`Row._set`, kept by the row as each column is
-   first set), so a column nobody set is never written back:
+   first set), among the rows set since the last write (a row lists itself in its store's
+   `_setting` at its first set: a batch reads hundreds of rows and sets a few dozen), so a
+   column nobody set is never written back:
    a worker's heartbeat or lease handshake, committed meanwhile to other columns of the same
    attempt, survives.
 
@@ -64,19 +66,23 @@ class Row:
     those rather than every column of every row it holds, and no row is copied to be compared
     later; None when none was set, `_NEW` for a row not inserted yet."""
 
-    __slots__ = ("__dict__", "_set")
+    __slots__ = ("__dict__", "_set", "_setting")
     table: ClassVar[Table]
 
-    def __init__(self, values: dict[str, Any], new: bool = False) -> None:
+    def __init__(self, values: dict[str, Any], setting: list[Row], new: bool = False) -> None:
         # The row's own dict: loaded rows build one per row anyway.
         object.__setattr__(self, "__dict__", values)
         object.__setattr__(self, "_set", _NEW if new else None)
+        # Its store's list of the rows set since its last write (`RowStore._setting`): a
+        # write looks at those, not at every row the operation read.
+        object.__setattr__(self, "_setting", setting)
 
     def __setattr__(self, name: str, value: Any) -> None:
         values = self.__dict__
         touched = self._set
         if touched is None:
             object.__setattr__(self, "_set", {name: values.get(name, _MISSING)})
+            self._setting.append(self)
         elif touched is not _NEW and name not in touched:
             touched[name] = values.get(name, _MISSING)
         values[name] = value
@@ -152,6 +158,7 @@ _REPR: dict[type, tuple[str, ...]] = {
 #: that order, one lock order).
 _INSERT_ORDER: tuple[type[Row], ...] = (StepRow, AttemptRow, GroupRow, OutboxRow)
 _UPDATE_ORDER: tuple[type[Row], ...] = (RunRow, StepRow, SlotRow, AttemptRow, GroupRow, SpareRow)
+_UPDATED = frozenset(_UPDATE_ORDER)
 
 #: Columns a table's UPDATE may write for a row although they did not change in it: a batch's
 #: rows change in a dozen different ways, and one statement per way costs a round trip each;
@@ -211,6 +218,10 @@ class RowStore:
             SpareRow: self.spares,
         }
         self._new: dict[type[Row], list[Row]] = {cls: [] for cls in _INSERT_ORDER}
+        #: the rows read here that were set since they were read or last written (each
+        #: appends itself at its first set): what a write compares, without walking every row
+        #: the operation read
+        self._setting: list[Row] = []
         #: how many times rows were written to the database: a count read before a write is
         #: not the database's count after it (see `unwritten_change`)
         self.writes = 0
@@ -241,7 +252,7 @@ class RowStore:
             key = key_of(own)
             row = found.get(key)
             if row is None:
-                row = found[key] = cls(own)
+                row = found[key] = cls(own, self._setting)
             elif refresh:
                 self._refresh(row, own)
             rows.append(row)
@@ -333,9 +344,9 @@ class RowStore:
         database holds them now: a count read from the database plus this is the count after
         the next `write`, without writing first (a new row counts from nothing)."""
         change = 0
-        for row in self._maps[cls].values():
-            if row._set is None:
-                continue  # as the database holds it
+        for row in (*self._new.get(cls, ()), *self._setting):
+            if type(row) is not cls or row._set is None:
+                continue  # another table's, or as the database holds it
             saved = _saved_values(row)
             change += counts(row.__dict__) - (saved is not None and counts(saved))
         return change
@@ -348,7 +359,7 @@ class RowStore:
         (`IdBlocks`) on PostgreSQL; elsewhere (SQLite) the row is inserted at once and the
         database numbers it."""
         shape = _insert_shape(cls.table)
-        row = cls({**shape.blank, **values}, new=True)
+        row = cls({**shape.blank, **values}, self._setting, new=True)
         if shape.has_id and row.id is None:
             table = cls.table
             row.id = self.session.execute(insert(table).values(_insert_values(table, [row])[0]).returning(table.c.id)).scalar_one()
@@ -390,8 +401,16 @@ class RowStore:
                 _written(row)
             written += len(new)
         updates: list[tuple[Table, list[str], list[Row]]] = []
+        setting: dict[type[Row], list[Row]] = {}
+        for row in self._setting:
+            setting.setdefault(type(row), []).append(row)
+        self._setting.clear()
+        if not setting.keys() <= _UPDATED:
+            # Never silently dropped: the store writes changes to the tables it reads.
+            raise TypeError(f"a row of {sorted(cls.table.name for cls in setting.keys() - _UPDATED)} changed after its insert; only {sorted(cls.table.name for cls in _UPDATED)} rows are updated through a RowStore")
         for cls in _UPDATE_ORDER:
-            written += self._changes(cls, updates)
+            if cls in setting:
+                written += self._changes(cls, setting[cls], updates)
         if self.postgres:
             send_changes(self.session, inserts, [(table, keys, [row.__dict__ for row in rows]) for table, keys, rows in updates])
         else:
@@ -401,11 +420,12 @@ class RowStore:
         self.writes += bool(written)
         return written
 
-    def _changes(self, cls: type[Row], updates: list[tuple[Table, list[str], list[Row]]]) -> int:
-        """Add to `updates` the UPDATEs of `cls`'s changed rows (table, columns, rows) and take
-        the rows as written; returns how many rows they write."""
+    def _changes(self, cls: type[Row], setting: list[Row], updates: list[tuple[Table, list[str], list[Row]]]) -> int:
+        """Add to `updates` the UPDATEs of `cls`'s changed rows among `setting` (those set since
+        the last write) as (table, columns, rows), and take the rows as written; returns how
+        many rows they write."""
         shapes: dict[frozenset[str], list[Row]] = {}
-        for row in self._maps[cls].values():
+        for row in setting:
             touched = row._set
             if not touched:
                 continue  # none set (None), or not inserted yet (`_NEW`: its insert writes it whole)
