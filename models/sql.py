@@ -30,7 +30,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql import ColumnElement, Select
-from sqlalchemy.sql.selectable import ScalarSelect
+from sqlalchemy.sql.selectable import CTE, ScalarSelect
 from sqlalchemy.sql.visitors import InternalTraversal
 from sqlalchemy.types import NullType, TypeDecorator
 
@@ -275,20 +275,30 @@ def slots_at(run_id: int, keys: Iterable[tuple[int, int]]) -> Query:
 
 
 @cache
+def _batch() -> CTE:
+    """The run's attempts among the bound `attempt_ids`: a batch of results' attempts, which
+    four reads of its joint read look at (the attempts, their slots, and two conditions of
+    them). As one common table expression the joint read finds them once, not once per read
+    (under the plans of a run's first steps, a sequential scan of the attempts each: 2 ms a
+    batch, bench/README.md, stop 44); a read run alone inlines it.
+
+    `run_id + 0`: found by primary key, the run checked on the rows. A plain `run_id = x` lets
+    the planner read the run's every attempt by the run_id index and filter them by id, which
+    it did whenever the table's statistics predate the run (3 ms a batch at 8,000 attempts in
+    `bench overhead`). The ids bound as one array (`ids_param`), not written into the SQL: a
+    batch's first read-ahead then has the same text every time, so psycopg prepares it and
+    PostgreSQL plans it once rather than on every batch (about 1 ms; test_query_plans.py checks
+    that plan)."""
+    return (
+        select(*ATTEMPT_COLUMNS)
+        .where(ids_param(_attempts.c.id, "attempt_ids"), _attempts.c.run_id + 0 == bindparam("run_id"))
+        .cte("batch_attempts")
+    )
+
+
+@cache
 def _attempts_by_id() -> Select[Any]:
-    # `run_id + 0`: found by primary key, the run checked on the rows. A plain `run_id = x`
-    # lets the planner read the run's every attempt by the run_id index and filter them by id,
-    # which it did whenever the table's statistics predate the run (3 ms a batch at 8,000
-    # attempts in `bench overhead`). The ids bound as one array (`ids_param`), not written
-    # into the SQL: found by primary key, any plan serves them, and a batch's first read-ahead
-    # then has the same text every time, so psycopg prepares it and PostgreSQL plans it once
-    # rather than on every batch (about 1 ms; test_query_plans.py checks that plan).
-    return select(*ATTEMPT_COLUMNS).where(*_batch_attempts())
-
-
-def _batch_attempts() -> tuple[ColumnElement[bool], ColumnElement[bool]]:
-    """The run's attempts among the bound `attempt_ids`, by primary key (`_attempts_by_id`)."""
-    return ids_param(_attempts.c.id, "attempt_ids"), _attempts.c.run_id + 0 == bindparam("run_id")
+    return select(*_batch().c)
 
 
 def attempts_by_id(run_id: int, ids: Iterable[int]) -> Query:
@@ -298,8 +308,8 @@ def attempts_by_id(run_id: int, ids: Iterable[int]) -> Query:
 
 @cache
 def _slots_of_attempts(lateral: bool) -> Select[Any]:
-    # Each slot by its primary key, from its attempt's row; the attempts by theirs (the bound
-    # array of `attempts_by_id`, with the same parameters, so the two share a statement). As
+    # Each slot by its primary key, from its attempt's row; the attempts those of
+    # `attempts_by_id` (`_batch`, with the same parameters, so the two share a statement). As
     # keys written into the SQL (`step = s AND idx IN (...)`, a second round trip after the
     # attempts), the planner with no statistics on the step's slots took the run and step as
     # the index condition and filtered the step's every slot by index (4,096 rows, about 1 ms).
@@ -307,11 +317,12 @@ def _slots_of_attempts(lateral: bool) -> Select[Any]:
     # turn into a join to reorder: as a plain join, a generic plan under statistics a background
     # analyze had left (in CI) walked every slot and probed the attempts for each (20,000
     # slots of another run: 80,000 buffers).
-    on = (_slots.c.run_id == _attempts.c.run_id, _slots.c.step == _attempts.c.step, _slots.c.idx == _attempts.c.slot_idx)
+    batch = _batch()
+    on = (_slots.c.run_id == batch.c.run_id, _slots.c.step == batch.c.step, _slots.c.idx == batch.c.slot_idx)
     if not lateral:
-        return select(*SLOT_COLUMNS).select_from(_attempts.join(_slots, and_(*on))).where(*_batch_attempts())
+        return select(*SLOT_COLUMNS).select_from(batch.join(_slots, and_(*on)))
     slot = select(*SLOT_COLUMNS).where(*on).offset(0).lateral("slot")
-    return select(*slot.c).select_from(_attempts.join(slot, true())).where(*_batch_attempts())
+    return select(*slot.c).select_from(batch.join(slot, true()))
 
 
 def slots_of_attempts(run_id: int, ids: Iterable[int], *, postgres: bool) -> Query:
@@ -327,7 +338,8 @@ def batch_places_elsewhere() -> ColumnElement[bool]:
     parameters) is an extra, or serves a step later than the run's first open one (whose
     groups may fill slots of the earlier step waiting on a replacement). Where neither holds,
     the batch never looks at the slots waiting (`RunContext.read_ahead`)."""
-    return exists().where(*_batch_attempts(), or_(_attempts.c.slot_idx.is_(None), _attempts.c.step > first_open_step()))
+    batch = _batch()
+    return exists().where(or_(batch.c.slot_idx.is_(None), batch.c.step > first_open_step()))
 
 
 def first_open_step() -> ScalarSelect[Any]:
@@ -343,7 +355,7 @@ def first_open_step() -> ScalarSelect[Any]:
 def batch_has_extra() -> ColumnElement[bool]:
     """Whether one of a batch's attempts (`attempts_by_id`'s, with its parameters) is an
     extra: under `in_order` only an extra's group may take an open slot that is not waiting."""
-    return exists().where(*_batch_attempts(), _attempts.c.slot_idx.is_(None))
+    return exists().where(_batch().c.slot_idx.is_(None))
 
 
 @cache

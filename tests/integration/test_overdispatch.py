@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from refill.models.results import Outcome
+from tests.support import plans
 from tests.support.driver import FLAT, SPREAD, Driver
 
 
@@ -245,7 +246,7 @@ def test_the_extras_of_a_top_up_take_their_spares_with_one_read(pg_ledger, monke
     spare_reads: list[str] = []
 
     def record(conn, cursor, statement, *args):  # type: ignore[no-untyped-def]
-        if statement.lstrip().upper().startswith("SELECT") and "FROM spare_prompts" in statement:
+        if plans.is_read(statement) and "FROM spare_prompts" in statement:
             spare_reads.append(statement)
 
     d = Driver(pg_ledger, over_dispatch(lookahead=1, sigmas=0.0))
@@ -278,7 +279,7 @@ def _count_statements(ledger, run):  # type: ignore[no-untyped-def]
     seen: list[str] = []
 
     def record(conn, cursor, statement, *args):  # type: ignore[no-untyped-def]
-        if statement.lstrip().upper().startswith("SELECT") and "count(" in statement:
+        if plans.is_read(statement) and "count(" in statement:
             seen.append(statement)
 
     event.listen(ledger.engine, "before_cursor_execute", record)
@@ -387,7 +388,7 @@ def test_a_batch_reads_its_attempts_and_their_slots_in_one_statement(pg_ledger) 
     reads: list[str] = []
 
     def record(conn, cursor, statement, *args):  # type: ignore[no-untyped-def]
-        if statement.startswith("SELECT") and re.search(r"(FROM|JOIN)\s+slots\b", statement):
+        if plans.is_read(statement) and re.search(r"(FROM|JOIN)\s+slots\b", statement):
             reads.append(statement)
 
     event.listen(pg_ledger.engine, "before_cursor_execute", record)
@@ -398,7 +399,7 @@ def test_a_batch_reads_its_attempts_and_their_slots_in_one_statement(pg_ledger) 
         event.remove(pg_ledger.engine, "before_cursor_execute", record)
     assert len(reads) == 2 and reads[0] == reads[1], reads
     # the slots probed from the attempts' rows (sql.slots_of_attempts), in the same statement
-    assert re.search(r"FROM attempts JOIN LATERAL \(SELECT slots\.", reads[0]) and "%(attempt_ids)s" in reads[0]
+    assert re.search(r"FROM batch_attempts JOIN LATERAL \(SELECT slots\.", reads[0]) and "%(attempt_ids)s" in reads[0]
     # Each batch committed one group into its own slot and filtered the other's.
     committed = d.query(lambda s: {(slot.idx, slot.status) for slot in s.query(Slot).filter_by(run_id=d.run_id, step=1).filter(Slot.idx < 4)})
     assert committed == {(0, "committed"), (1, "open"), (2, "committed"), (3, "open")}

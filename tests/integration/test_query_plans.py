@@ -24,7 +24,7 @@ def first_reads(ledger, d: Driver, batch: list) -> list[tuple[str, dict]]:  # ty
     """The first read-ahead of recording `batch` (statement, parameters), and any other
     statement of that shape the batch ran."""
     with plans.statements_run(
-        ledger, lambda statement, parameters: statement.startswith("SELECT CAST((SELECT coalesce(json_agg") and "attempt_ids" in str(parameters)
+        ledger, lambda statement, parameters: plans.JOINT_READ in statement and "attempt_ids" in str(parameters)
     ) as reads:
         d.record(*batch)
     return reads

@@ -15,6 +15,16 @@ from sqlalchemy import event
 from refill.models.db import Ledger
 
 
+def is_read(statement: str) -> bool:
+    """Whether `statement` is a read: a SELECT, or one that begins with a common table
+    expression (a batch's joint read finds its attempts in one, `sql._batch`)."""
+    return statement.lstrip().upper().startswith(("SELECT", "WITH"))
+
+
+#: What a batch's joint read (`models/joint_read.py`) selects: each read's rows as JSON.
+JOINT_READ = "SELECT CAST((SELECT coalesce(json_agg"
+
+
 @contextmanager
 def statements_run(ledger: Ledger, keep: Callable[[str, Any], bool] = lambda statement, parameters: True) -> Iterator[list[tuple[str, Any]]]:
     """The statements run on `ledger`'s engine inside the block that `keep` accepts, each as the
