@@ -63,7 +63,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.floor import ChangeLog, Floor, describe, replay
-from bench.machine import load_average, process_cpu
+from bench.machine import cpu_ticks, load_average, process_cpu, steal_since
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -456,6 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     samples: list[dict[str, Any]] = []
     floors: list[Floor] = []
     for i in range(args.repeat):
+        ticks = cpu_ticks()
         with temporary_pg_database("refill_bench_overhead") as url:
             upgrade(url)
             try:
@@ -478,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
             + ", ".join(f"{p} {timers.seconds[p]:.2f}" for p in PHASES)
             + f")  lease handshakes {timers.seconds['lease handshakes']:.2f} s, trainer claim "
             f"{timers.seconds['trainer claim']:.2f} s (+ its payloads read {timers.seconds['payload read']:.2f} s)   "
-            f"load {load_average()}",
+            f"load {load_average()}, {steal_since(ticks)}",
             flush=True,
         )
         print(
