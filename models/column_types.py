@@ -63,3 +63,15 @@ def json_text(value: Any) -> str:
     except TypeError:
         return json.dumps(value)
 
+
+def read_json(text: str | bytes) -> Any:
+    """The value of a joint read's JSON, built from the ledger's own columns (ids, counters,
+    timestamps, floats): orjson's reading, six to eight times the standard library's, and exact
+    for every integer a BIGINT holds. Only for that: orjson reads an integer past 64 bits as a
+    float, so the JSONB columns that hold what a user gave (a prompt's row, a config) are read by
+    the standard library (psycopg's and SQLAlchemy's default). Text orjson refuses (the `NaN` an
+    older SQLite ledger may hold) goes to the standard library too."""
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return json.loads(text)

@@ -12,21 +12,19 @@ integers; each table's columns are read back to the types a plain query returns
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import cache, lru_cache
 from typing import Any
 
-import orjson
 from sqlalchemy import Float, Text, case, cast, func, literal_column, select
 from sqlalchemy.dialects.postgresql import aggregate_order_by
 from sqlalchemy.orm import Session
 from sqlalchemy.sql import ColumnElement, Select
 
 from refill.models import driver, sql
-from refill.models.column_types import UTCDateTime
+from refill.models.column_types import UTCDateTime, read_json
 
 
 @dataclass(frozen=True)
@@ -97,19 +95,6 @@ def fetch(session: Session, reads: Sequence[Read]) -> list[list[list[Any]] | Non
                     values[position] = reader(value)
         out.append(value_rows)
     return out
-
-
-def read_json(text: str | bytes) -> Any:
-    """The value of a joint read's JSON, built from the ledger's own columns (ids, counters,
-    timestamps, floats): orjson's reading, six to eight times the standard library's, and exact
-    for every integer a BIGINT holds. Only for that: orjson reads an integer past 64 bits as a
-    float, so the JSONB columns that hold what a user gave (a prompt's row, a config) are read by
-    the standard library (psycopg's and SQLAlchemy's default). Text orjson refuses (the `NaN` an
-    older SQLite ledger may hold) goes to the standard library too."""
-    try:
-        return orjson.loads(text)
-    except orjson.JSONDecodeError:
-        return json.loads(text)
 
 
 @lru_cache(maxsize=8192)

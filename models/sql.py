@@ -384,7 +384,7 @@ def _step_groups() -> Select[Any]:
             _groups.c.attempt_id,
             _groups.c.rollout,
             _groups.c.completion_texts,
-            # As text, for `joint_read.read_json` (orjson): the standard library's reading of a
+            # As text, for `column_types.read_json` (orjson): the standard library's reading of a
             # step's reward lists (psycopg's for JSONB) was a third of the trainer's claim.
             cast(_groups.c.rewards, Text).label("rewards"),
             _groups.c.weight_version,

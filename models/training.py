@@ -25,8 +25,8 @@ from refill.models import decisions, driver, rollout_codec, sql
 from refill.models.admission import admit
 from refill.models.barrier import queue_training
 from refill.models.clock import ledger_now_in
+from refill.models.column_types import read_json
 from refill.models.context import RunContext
-from refill.models.joint_read import read_json
 from refill.models.metrics import seconds_between
 from refill.models.payload import PayloadRef, TrainGroup
 from refill.models.payload_store import FileStore, StoredGroup, read_groups

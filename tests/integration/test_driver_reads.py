@@ -12,9 +12,8 @@ from sqlalchemy import bindparam, event, func, select, text, update
 from sqlalchemy.exc import DBAPIError
 
 from refill.models import driver
-from refill.models.column_types import json_text
+from refill.models.column_types import json_text, read_json
 from refill.models.db import lock_run
-from refill.models.joint_read import read_json
 from refill.models.sql import ids_param, literal, literal_in
 from refill.models.tables import Attempt, Outbox, Run, RunStatus
 from tests.support.driver import Driver
@@ -148,7 +147,7 @@ def test_writes_on_the_driver_go_out_together_and_count_their_rows(ledger) -> No
 
 
 def test_json_values_are_stored_and_read_alike_on_every_path(ledger) -> None:  # type: ignore[no-untyped-def]
-    """The ledger's JSON (`json_text`, `joint_read.read_json`): written by COPY (`insert_rows`) and by
+    """The ledger's JSON (`json_text`, `column_types.read_json`): written by COPY (`insert_rows`) and by
     SQLAlchemy, read by `driver.rows` and by SQLAlchemy, the same value on either ledger,
     including what orjson refuses (an integer past 64 bits) and keys that are not strings."""
     payload = {"big": 2**70 + 1, 3: "an int key", "text": "na\u00efve \u2603", "nested": [1.5, None, True, -0.0]}
