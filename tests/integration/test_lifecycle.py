@@ -137,6 +137,27 @@ def test_outbox_message_body(ledger) -> None:  # type: ignore[no-untyped-def]
     }
 
 
+def test_a_prompt_row_goes_out_exactly_as_the_user_gave_it(ledger) -> None:  # type: ignore[no-untyped-def]
+    """A prompt's row reaches the worker as the user gave it: integers past 64 bits and at
+    either end of them stay integers (the relay reads the row with the standard library; orjson,
+    which `column_types.read_json` uses for the ledger's own JSON, would read them as floats),
+    floats and any text as they were."""
+    from sqlalchemy import update
+
+    from refill.models.tables import Prompt
+
+    row = {"big": 2**70, "below": -(2**63) - 1, "max": 2**63 - 1, "min": -(2**63), "f": 0.1, "small": 1.5e-7, "text": "é ✓ 文", "nested": [{"n": 10**25}]}
+    d = Driver(ledger)
+    d.admit()
+    attempt = d.live_of(1, 2)
+    prompts = Prompt.__table__
+    ledger.transaction(lambda s: s.execute(update(prompts).where(prompts.c.id == attempt.prompt_id).values(row=row)))
+    (message,) = [m for m in d.relay() if m.body["attempt_id"] == attempt.id]
+    sent = message.body["row"]
+    assert sent == row
+    assert all(type(sent[key]) is int for key in ("big", "below", "max", "min")) and type(sent["nested"][0]["n"]) is int
+
+
 def test_obsolete_messages_are_marked_sent_without_being_returned(ledger) -> None:  # type: ignore[no-untyped-def]
     d = Driver(ledger)
     d.admit()
