@@ -173,8 +173,8 @@ def _numbered(statement: str) -> tuple[bytes, tuple[str, ...]]:
 
     psycopg rewrites a statement's placeholders on every execution, and keeps the rewriting
     only for statements under 4 KB and 50 parameters: a batch's joint read (14 KB) was
-    rewritten each time, about 1 ms (bench/README.md, stop 44). A statement built once is
-    rewritten once here."""
+    rewritten each time, about half a millisecond (py-spy, bench/README.md stop 44). A
+    statement built once is rewritten once here."""
     numbers: dict[str, int] = {}
 
     def number(match: re.Match[str]) -> str:

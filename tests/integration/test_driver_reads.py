@@ -8,7 +8,7 @@ import json
 from datetime import UTC, datetime
 
 import pytest
-from sqlalchemy import bindparam, event, func, select, text, update
+from sqlalchemy import bindparam, event, func, literal_column, select, text, update
 from sqlalchemy.exc import DBAPIError
 
 from refill.models import driver
@@ -40,6 +40,13 @@ _LIVE_OF_RUN = (
     .where(_attempts.c.run_id == bindparam("run_id"), literal_in(_attempts.c.state, ("pending", "queued")), _attempts.c.reason != literal("none"))
     .order_by(_attempts.c.id)
 )
+#: A percent sign in the SQL, and a parameter named twice: sent with PostgreSQL's own
+#: placeholders, one number per name (`driver._numbered`).
+_PERCENT = (
+    select(_attempts.c.id, literal_column("'50%'").label("share"), (_attempts.c.run_id + bindparam("run_id")).label("twice"))
+    .where(_attempts.c.run_id == bindparam("run_id"), _attempts.c.state.like(literal("pend%")))
+    .order_by(_attempts.c.id)
+)
 _RUN = select(_runs.c.id, _runs.c.config, _runs.c.status, func.now().label("refill_now")).where(_runs.c.id == bindparam("run_id"))
 
 
@@ -68,6 +75,9 @@ def test_a_read_on_the_driver_returns_what_sqlalchemy_returns(ledger) -> None:  
         assert [r.id for r in again] == [a.id for a in first]
         live = driver.rows(session, _LIVE_OF_RUN, {"run_id": d.run_id})
         assert live == session.execute(_LIVE_OF_RUN, {"run_id": d.run_id}).all()
+        percent = driver.rows(session, _PERCENT, {"run_id": d.run_id})
+        assert percent == session.execute(_PERCENT, {"run_id": d.run_id}).all()
+        assert percent and {(row.share, row.twice) for row in percent} == {("50%", 2 * d.run_id)}
         assert len(live) == len(live_attempts) and {r.state for r in live} <= {"pending", "queued"}
     if ledger.engine.dialect.name == "postgresql":
         # Its text fixed once; a statement with a list given per execution is written each time.
