@@ -407,7 +407,9 @@ class RowStore:
         self._setting.clear()
         if not setting.keys() <= _UPDATED:
             # Never silently dropped: the store writes changes to the tables it reads.
-            raise TypeError(f"a row of {sorted(cls.table.name for cls in setting.keys() - _UPDATED)} changed after its insert; only {sorted(cls.table.name for cls in _UPDATED)} rows are updated through a RowStore")
+            tables = sorted(cls.table.name for cls in setting.keys() - _UPDATED)
+            updated = sorted(cls.table.name for cls in _UPDATED)
+            raise TypeError(f"rows of {tables} changed after their insert; a RowStore updates rows of {updated} only")
         for cls in _UPDATE_ORDER:
             if cls in setting:
                 written += self._changes(cls, setting[cls], updates)

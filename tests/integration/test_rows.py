@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 
+import pytest
 from sqlalchemy import event, select, update
 
 from refill.models.context import ATTEMPT_COLUMNS, SLOT_COLUMNS
@@ -157,6 +158,11 @@ def test_a_new_row_is_inserted_whole_then_compared_like_a_read_one(pg_ledger) ->
         assert store.write() == 0 and seen == []
         slots[0].filtered += 1
         assert store.write() == 1 and len(seen) == 1 and "filtered" in seen[0]
+        # The store updates the tables it reads; an outbox row changed after its insert would
+        # not be written, and is refused rather than dropped.
+        note.send_count = 4
+        with pytest.raises(TypeError, match=r"rows of \['outbox'\] changed after their insert"):
+            store.write()
         session.commit()
     with ledger.session() as session:
         assert session.scalar(select(Outbox.send_count).where(Outbox.id == note.id)) == 3
