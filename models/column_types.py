@@ -65,9 +65,10 @@ def json_text(value: Any) -> str:
 
 
 def read_json(text: str | bytes) -> Any:
-    """The value of a joint read's JSON, built from the ledger's own columns (ids, counters,
-    timestamps, floats): orjson's reading, six to eight times the standard library's, and exact
-    for every integer a BIGINT holds. Only for that: orjson reads an integer past 64 bits as a
+    """The value of JSON built from the ledger's own columns (a joint read's rows: ids,
+    counters, timestamps, floats; a step's rewards, which the trainer's claim reads): orjson's
+    reading, six to eight times the standard library's, and exact for every integer a BIGINT
+    holds. Only for that: orjson reads an integer past 64 bits as a
     float, so the JSONB columns that hold what a user gave (a prompt's row, a config) are read by
     the standard library (psycopg's and SQLAlchemy's default). Text orjson refuses (the `NaN` an
     older SQLite ledger may hold) goes to the standard library too."""
