@@ -360,6 +360,7 @@ class RowStore:
         database numbers it."""
         shape = _insert_shape(cls.table)
         row = cls({**shape.blank, **values}, self._setting, new=True)
+        _check_columns(cls.table, row)
         if shape.has_id and row.id is None:
             table = cls.table
             row.id = self.session.execute(insert(table).values(_insert_values(table, [row])[0]).returning(table.c.id)).scalar_one()
@@ -548,8 +549,11 @@ def _insert_values(table: Table, rows: list[Row]) -> list[dict[str, Any]]:
     keys, defaults, json_columns = shape.keys, shape.defaults, shape.json_columns
     values = []
     for row in rows:
-        current = row.__dict__
-        item = {key: current.get(key) for key in keys}
+        # Every column (`new` made the dict so): a name set since that is no column is refused.
+        item = dict(row.__dict__)
+        if len(item) != len(keys):
+            _check_columns(table, row)
+            item = {key: item.get(key) for key in keys}  # a column deleted from the row: None
         for key, default in defaults:
             if item[key] is None:
                 item[key] = default
@@ -569,6 +573,14 @@ def _insert_values(table: Table, rows: list[Row]) -> list[dict[str, Any]]:
         for item in values:
             del item["id"]
     return values
+
+
+def _check_columns(table: Table, row: Row) -> None:
+    """Refuse a new row that holds values for names `table` has no column for (a misspelt
+    column would otherwise never reach the database)."""
+    unknown = sorted(row.__dict__.keys() - _insert_shape(table).blank.keys())
+    if unknown:
+        raise ValueError(f"a new row of {table.name} has values for {unknown}, which are not columns of {table.name}")
 
 
 @lru_cache(maxsize=512)

@@ -168,6 +168,30 @@ def test_a_new_row_is_inserted_whole_then_compared_like_a_read_one(pg_ledger) ->
         assert session.scalar(select(Outbox.send_count).where(Outbox.id == note.id)) == 3
 
 
+def test_a_new_row_with_a_name_that_is_no_column_is_refused_and_writes_nothing(pg_ledger) -> None:  # type: ignore[no-untyped-def]
+    """A misspelt column in a new row's values, or set on it before its insert, raises an error
+    naming it and the table; the write that finds it writes none of its rows."""
+    from refill.models.rows import OutboxRow
+
+    d = Driver(pg_ledger, check=False)
+    d.admit()
+    when = datetime(2026, 1, 1, tzinfo=UTC)
+    with pg_ledger.session() as session:
+        store = RowStore(session)
+        attempts, _ = _load(store, d.run_id)
+        values = {"run_id": d.run_id, "kind": "generate", "attempt_id": attempts[0].id, "payload": {}, "created_at": when, "available_at": when}
+        with pytest.raises(ValueError, match=r"new row of outbox has values for \['sent_count'\], which are not columns of outbox"):
+            store.new(OutboxRow, {**values, "id": 10**9, "sent_count": 1})
+        kept = store.new(OutboxRow, {**values, "id": 10**9 + 1})
+        odd = store.new(OutboxRow, {**values, "id": 10**9 + 2})
+        odd.claimd_by = "relay"  # set after it was made: found at the write
+        with pytest.raises(ValueError, match=r"\['claimd_by'\]"):
+            store.write()
+        session.commit()
+    with pg_ledger.session() as session:
+        assert session.scalar(select(Outbox.id).where(Outbox.id.in_([kept.id, odd.id]))) is None
+
+
 def test_a_batch_of_results_records_the_same_on_both_ledgers(ledger) -> None:  # type: ignore[no-untyped-def]
     """The consumer's path through it: a batch that commits and filters groups leaves the
     ledger consistent (the suite checks the invariants after each test) and as recorded."""
