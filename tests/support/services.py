@@ -92,8 +92,16 @@ _handed_out: set[int] = set()
 def free_port() -> int:
     """A free port from the ranges IANA leaves unassigned, outside the kernel's ephemeral
     range, so that a client's outgoing connection does not take it before the server binds it;
-    never one handed out before in this process."""
-    port = port_for.select_random(exclude_ports=_handed_out)
+    never one handed out before in this process, nor by another pytest-xdist worker of the
+    session: a worker takes only ports whose remainder by the number of workers is its own
+    number. (Each worker names the fault suite's Redis port when it imports the suite and binds
+    it minutes later; two workers once drew the same one, and the second worker's fault suite
+    found its port taken: eleven errors in one CI run.)"""
+    ports = port_for.available_good_ports()
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if worker and count:
+        ports = {port for port in ports if port % int(count) == int(worker.removeprefix("gw"))}
+    port = port_for.select_random(ports, exclude_ports=_handed_out)
     _handed_out.add(port)
     return port
 
