@@ -59,13 +59,20 @@ def event_settings(enabled: bool) -> dict[str, bool]:
 
 def celery_settings(broker_url: str, key_prefix: str | None = None) -> dict[str, Any]:
     visibility_timeout = int(os.environ.get("REFILL_VISIBILITY_TIMEOUT", DEFAULT_VISIBILITY_TIMEOUT))
+    # kombu looks for messages whose visibility timeout passed only every interval * throttle
+    # seconds (10 * 10 by default), so a lowered timeout would take up to 100 s more to act;
+    # sweep at least four times per timeout (at most every 10 s).
+    sweep_seconds = max(1, min(10, visibility_timeout // 4))
     transport_options: dict[str, Any] = {
         "visibility_timeout": visibility_timeout,
-        # kombu looks for messages whose visibility timeout passed only every
-        # interval * throttle seconds (10 * 10 by default), so a lowered timeout would take up
-        # to 100 s more to act; sweep at least four times per timeout (at most every 10 s).
-        "unacked_restore_interval": max(1, min(10, visibility_timeout // 4)),
+        "unacked_restore_interval": sweep_seconds,
         "unacked_restore_throttle": 1,
+        # Each sweep holds a lock in Redis for its milliseconds, and a consumer killed inside
+        # one leaves the lock until it expires: every other consumer skips its sweeps until
+        # then (kombu's 5 minutes held the fault suite's redelivered results past their
+        # leases). Sweeps that meet are safe: kombu moves each message back in a transaction
+        # that watches the unacknowledged set, and a repeat is one every receiver ignores.
+        "unacked_mutex_expire": sweep_seconds,
     }
     prefix = key_prefix or os.environ.get("REFILL_BROKER_PREFIX")
     if prefix:
