@@ -360,7 +360,8 @@ class RowStore:
         database numbers it."""
         shape = _insert_shape(cls.table)
         row = cls({**shape.blank, **values}, self._setting, new=True)
-        _check_columns(cls.table, row)
+        if len(row.__dict__) != len(shape.blank):  # a name that is no column among `values`
+            _check_columns(cls.table, row)
         if shape.has_id and row.id is None:
             table = cls.table
             row.id = self.session.execute(insert(table).values(_insert_values(table, [row])[0]).returning(table.c.id)).scalar_one()
