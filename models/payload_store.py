@@ -38,7 +38,6 @@ import logging
 import os
 import secrets
 import shutil
-import threading
 import time
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -49,6 +48,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from refill.config import RunConfig
+from refill.drain import Drain
 from refill.models import rollout_codec
 from refill.models.db import Ledger
 from refill.models.payload import (
@@ -405,51 +405,28 @@ def missing_payloads(session: Session, run: Run) -> list[tuple[int, str, str]]:
 
 
 class Remover:
-    """Removes discarded payloads on a thread of its own, after the commit that discarded them,
-    so that unlinking files never delays the consumer's next batch. What it has not removed when
-    the process dies, the controller's sweep does."""
+    """Removes discarded payloads on a thread of its own (`refill.drain`), after the commit
+    that discarded them, so that unlinking files never delays the consumer's next batch. What
+    it has not removed when the process dies, the controller's sweep does."""
 
     def __init__(self) -> None:
-        self._pending: list[tuple[FileStore, list[str]]] = []
-        self._busy = False
-        self._cond = threading.Condition()
-        self._closing = False
         self.removed = 0
-        self._thread = threading.Thread(target=self._run, name="payload-remover", daemon=True)
-        self._thread.start()
+        self._drain: Drain[tuple[FileStore, list[str]]] = Drain(self._remove, name="payload-remover")
 
     def submit(self, store: FileStore, names: list[str]) -> None:
-        if not names:
-            return
-        with self._cond:
-            self._pending.append((store, names))
-            self._cond.notify_all()
+        if names:
+            self._drain.submit([(store, names)])
 
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._pending and not self._closing:
-                    self._cond.wait()
-                if not self._pending:
-                    return
-                work, self._pending = self._pending, []
-                self._busy = True
-            for store, names in work:
-                try:
-                    self.removed += store.remove(names)
-                except OSError as error:
-                    log.warning("removing %d discarded payloads failed (%r); the controller's sweep will", len(names), error)
-            with self._cond:
-                self._busy = False
-                self._cond.notify_all()
+    def _remove(self, work: list[tuple[FileStore, list[str]]]) -> None:
+        for store, names in work:
+            try:
+                self.removed += store.remove(names)
+            except OSError as error:
+                log.warning("removing %d discarded payloads failed (%r); the controller's sweep will", len(names), error)
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until what was submitted so far is removed; False if that took over `timeout`."""
-        with self._cond:
-            return self._cond.wait_for(lambda: not self._pending and not self._busy, timeout)
+        return self._drain.flush(timeout)
 
     def close(self, timeout: float | None = None) -> None:
-        with self._cond:
-            self._closing = True
-            self._cond.notify_all()
-        self._thread.join(timeout)
+        self._drain.close(timeout)

@@ -17,7 +17,6 @@ reads a payload.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -26,6 +25,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from refill.config import from_snapshot
+from refill.drain import Drain
 from refill.microbatcher import MicroBatcher
 from refill.models.clock import ledger_now
 from refill.models.db import Ledger
@@ -51,7 +51,7 @@ class ResultConsumer:
         # The outbox rows a batch wrote are relayed by a thread of their own, so publishing
         # them overlaps the next batch instead of delaying it (they are in the ledger: a relay
         # that fails or never runs leaves them to the controller's).
-        self._relay = _BackgroundRelay(after_commit) if after_commit is not None else None
+        self._relay = Drain(_relaying(after_commit), name="consumer-relay") if after_commit is not None else None
         self._chaos = ConsumerChaos()  # inert unless the fault suite sets its knob
         self._max_bytes: dict[int, int] = {}  # run -> infra.max_result_bytes (runs' configs never change)
         self._stores: dict[int, FileStore] = {}  # run -> its payload store
@@ -147,44 +147,22 @@ class ResultConsumer:
         self._remover.close(timeout=30)
 
 
-class _BackgroundRelay:
-    """Relays outbox rows by id on its own thread, the ids of several batches together."""
+#: outbox ids per relay transaction (the relay claims at most 1000 rows at a time)
+RELAY_CHUNK = 1000
 
-    #: ids per relay transaction (the relay claims at most 1000 rows at a time)
-    CHUNK = 1000
 
-    def __init__(self, relay: Callable[[list[int]], int]) -> None:
-        self._relay = relay
-        self._pending: list[int] = []
-        self._cond = threading.Condition()
-        self._closing = False
-        self._thread = threading.Thread(target=self._run, name="consumer-relay", daemon=True)
-        self._thread.start()
+def _relaying(relay: Callable[[list[int]], int]) -> Callable[[list[int]], None]:
+    """What the consumer's relay thread does with the outbox ids of the batches committed since
+    it last ran: relays them, RELAY_CHUNK to a transaction."""
 
-    def submit(self, ids: list[int]) -> None:
-        with self._cond:
-            self._pending.extend(ids)
-            self._cond.notify()
+    def handle(ids: list[int]) -> None:
+        for start in range(0, len(ids), RELAY_CHUNK):
+            try:
+                relay(ids[start : start + RELAY_CHUNK])
+            except Exception as error:  # noqa: BLE001 - the rows stay in the outbox
+                log.warning("immediate relay failed (%r); the controller's relay will send them", error)
 
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._pending and not self._closing:
-                    self._cond.wait()
-                if not self._pending:
-                    return
-                ids, self._pending = self._pending, []
-            for start in range(0, len(ids), self.CHUNK):
-                try:
-                    self._relay(ids[start : start + self.CHUNK])
-                except Exception as error:  # noqa: BLE001 - the rows stay in the outbox
-                    log.warning("immediate relay failed (%r); the controller's relay will send them", error)
-
-    def close(self, timeout: float | None = None) -> None:
-        with self._cond:
-            self._closing = True
-            self._cond.notify()
-        self._thread.join(timeout)
+    return handle
 
 
 @dataclass(frozen=True)
