@@ -40,7 +40,7 @@ class Drain(Generic[Item]):
             self._pending.extend(items)
             self._cond.notify_all()
 
-    def flush(self, timeout: float = 10.0) -> bool:
+    def flush(self, timeout: float) -> bool:
         """Wait until what was submitted so far is handled; False if that took over `timeout`."""
         with self._cond:
             return self._cond.wait_for(lambda: not self._pending and not self._busy, timeout)
