@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections import namedtuple
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from enum import Enum
@@ -297,36 +297,39 @@ def _insert_columns(dialect: Dialect, table: Table, rows: list[dict[str, Any]]) 
 PIPELINED = "refill.pipelined"
 
 
-def execute_pipelined(executor: Session | Connection, statements: list[tuple[str, dict[str, Any]]]) -> list[int]:
+def execute_pipelined(executor: Session | Connection, statements: Iterable[tuple[str, dict[str, Any]]]) -> list[int]:
     """Run `statements` (each SQL as psycopg takes it, with `%(name)s` parameters, and their
     values) in order in one round trip, PostgreSQL only: psycopg's pipeline mode sends each
     without waiting for the one before. Returns each one's row count.
 
     A batch's changed rows go out as up to eight `UPDATE ... FROM unnest` statements, which
-    through SQLAlchemy would each wait for the one before. The engine's listeners see each
-    statement, as they see an executed one; an error comes out as SQLAlchemy's, as from
-    `session.execute`."""
+    through SQLAlchemy would each wait for the one before. `statements` may be built as they are
+    taken (a generator): each goes out before the next is built, so the server runs one while
+    this process builds the next. The engine's listeners see each statement as it goes out, as
+    they see an executed one; an error comes out as SQLAlchemy's, as from `session.execute`."""
     connection = executor.connection() if isinstance(executor, Session) else executor
     dialect = connection.dialect
     raw = connection.connection.driver_connection
-    try:
-        for i, (statement, parameters) in enumerate(statements):
-            connection.info[PIPELINED] = i > 0
-            connection.dispatch.before_cursor_execute(connection, None, statement, parameters, None, False)
-    finally:
-        connection.info.pop(PIPELINED, None)
-    cursors = [raw.cursor() for _ in statements]
+    sent: list[tuple[str, dict[str, Any]]] = []
+    cursors = []
     try:
         with raw.pipeline():
-            for cursor, (statement, parameters) in zip(cursors, statements, strict=True):
+            for statement, parameters in statements:
+                connection.info[PIPELINED] = bool(sent)
+                try:
+                    connection.dispatch.before_cursor_execute(connection, None, statement, parameters, None, False)
+                finally:
+                    connection.info.pop(PIPELINED, None)
+                sent.append((statement, parameters))
+                cursors.append(cursor := raw.cursor())
                 cursor.execute(statement, parameters)
         counts = [cursor.rowcount for cursor in cursors]
     except dialect.loaded_dbapi.Error as error:
-        raise _as_sqlalchemy_error(connection, "; ".join(statement for statement, _ in statements), error) from error
+        raise _as_sqlalchemy_error(connection, "; ".join(statement for statement, _ in sent), error) from error
     finally:
         for cursor in cursors:
             cursor.close()
-    for statement, parameters in statements:
+    for statement, parameters in sent:
         connection.dispatch.after_cursor_execute(connection, None, statement, parameters, None, False)
     return counts
 

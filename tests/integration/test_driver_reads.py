@@ -156,6 +156,45 @@ def test_writes_on_the_driver_go_out_together_and_count_their_rows(ledger) -> No
     assert d.query(lambda s: s.get(Run, d.run_id).zero_variance_groups) == 1
 
 
+def test_pipelined_statements_built_as_they_are_taken_go_out_before_the_next_is_built(pg_ledger) -> None:  # type: ignore[no-untyped-def]
+    """`driver.execute_pipelined` takes each statement of a generator only once the one before
+    it went out: the server runs a statement while this process builds the next (a batch's
+    write, `rows.send_changes`), and the counts still come back in order."""
+    import time
+
+    d = Driver(pg_ledger, check=False)
+    d.admit()
+    running: list[bool] = []
+
+    def server_runs(pid: int) -> bool:
+        """Whether backend `pid` is running the first statement now, seen from another
+        connection (within 0.8 s: the statement sleeps for 1.5)."""
+        deadline = time.monotonic() + 0.8
+        with pg_ledger.engine.connect() as other:
+            while time.monotonic() < deadline:
+                query = other.execute(
+                    text("SELECT query FROM pg_stat_activity WHERE pid = :pid AND state = 'active'"), {"pid": pid}
+                ).scalar()
+                if query is not None and "pg_sleep" in query:
+                    return True
+                time.sleep(0.01)
+        return False
+
+    with pg_ledger.session() as session:
+        pid = session.execute(text("SELECT pg_backend_pid()")).scalar_one()
+
+        def statements():  # type: ignore[no-untyped-def]
+            yield "SELECT pg_sleep(1.5)", {}
+            running.append(server_runs(pid))  # building the second statement
+            yield "UPDATE runs SET zero_variance_groups = zero_variance_groups + 1 WHERE id = %(run_id)s", {"run_id": d.run_id}
+
+        counts = driver.execute_pipelined(session, statements())
+        session.commit()
+    assert running == [True]
+    assert counts == [1, 1]
+    assert d.query(lambda s: s.get(Run, d.run_id).zero_variance_groups) == 1
+
+
 def test_json_values_are_stored_and_read_alike_on_every_path(ledger) -> None:  # type: ignore[no-untyped-def]
     """The ledger's JSON (`json_text`, `column_types.read_json`): written by COPY (`insert_rows`) and by
     SQLAlchemy, read by `driver.rows` and by SQLAlchemy, the same value on either ledger,
