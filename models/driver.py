@@ -16,7 +16,7 @@ from datetime import datetime
 from enum import Enum
 from functools import lru_cache
 from types import NoneType
-from typing import Any
+from typing import Any, TypeVar
 
 from psycopg import RawCursor
 from sqlalchemy import JSON, Boolean, Float, Integer, String, Table, insert
@@ -28,6 +28,8 @@ from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.elements import Null
 
 from refill.models.column_types import json_text
+
+T = TypeVar("T")
 
 
 def rows(session: Session, statement: Executable, params: dict[str, Any]) -> list[Any]:
@@ -46,16 +48,26 @@ def rows(session: Session, statement: Executable, params: dict[str, Any]) -> lis
     if dialect.name != "postgresql":
         return list(session.execute(statement, params).all())
     shape, sql_text, values = _bound(dialect, statement, params)
-    with _on_driver(connection, sql_text, values, executemany=False) as raw:
-        if shape.numbered is None:
-            cursor = raw.cursor()
-            cursor.execute(sql_text, values)
-        else:
-            cursor = RawCursor(raw)
-            cursor.execute(shape.numbered, [values[name] for name in shape.order])
-        with cursor:
-            found = cursor.fetchall()
-            readers = shape.readers(dialect, cursor)
+    with _on_driver(connection, sql_text, values, executemany=False) as raw, _sent(raw, shape, sql_text, values) as cursor:
+        found = cursor.fetchall()
+        readers = shape.readers(dialect, cursor)
+    return _made(shape, found, readers)
+
+
+def _sent(raw: Any, shape: _Shape, sql_text: str, values: dict[str, Any]) -> Any:
+    """A cursor of psycopg's connection `raw` that has executed the bound statement (to close
+    after its rows are read: use it as a context manager)."""
+    if shape.numbered is None:
+        cursor = raw.cursor()
+        cursor.execute(sql_text, values)
+    else:
+        cursor = RawCursor(raw)
+        cursor.execute(shape.numbered, [values[name] for name in shape.order])
+    return cursor
+
+
+def _made(shape: _Shape, found: list[Any], readers: list[tuple[int, Callable[[Any], Any]]]) -> list[Any]:
+    """Rows as `rows` returns them, from psycopg's value tuples."""
     make = shape.row
     if not readers:
         return [make(*values) for values in found]
@@ -66,6 +78,51 @@ def rows(session: Session, statement: Executable, params: dict[str, Any]) -> lis
             row[i] = read(row[i])
         out.append(make(*row))
     return out
+
+
+def rows_then(
+    session: Session,
+    first: tuple[Executable, dict[str, Any]],
+    then: tuple[Executable, dict[str, Any]],
+    meanwhile: Callable[[list[Any]], T],
+) -> tuple[T, list[Any]]:
+    """`meanwhile` of the rows `first` returns, and the rows `then` returns, as `rows` returns
+    them: on PostgreSQL `then` goes out as soon as `first`'s rows are in, in the same round
+    trip's pipeline, and the server runs it while this process runs `meanwhile` (which must
+    run no SQL: the connection is still in `then`'s round trip). For a read whose work is
+    the server's (a count over thousands of index entries) after one whose work is this
+    process's (rows to parse and adopt).
+
+    `then` sees what `first` saw, and what other transactions committed in between: for reads
+    under the run's lock, the same."""
+    connection = _connection(session)
+    dialect = connection.dialect
+    if dialect.name != "postgresql":
+        got = meanwhile(list(session.execute(*first).all()))
+        return got, list(session.execute(*then).all())
+    bound = [_bound(dialect, statement, params) for statement, params in (first, then)]
+    for i, (_, sql_text, values) in enumerate(bound):
+        connection.info[PIPELINED] = i > 0
+        try:
+            connection.dispatch.before_cursor_execute(connection, None, sql_text, values, None, False)
+        finally:
+            connection.info.pop(PIPELINED, None)
+    raw = connection.connection.driver_connection
+    found: list[list[Any]] = []
+    try:
+        with raw.pipeline():
+            for i, (shape, sql_text, values) in enumerate(bound):
+                with _sent(raw, shape, sql_text, values) as cursor:
+                    if i == 0:
+                        rows_of_first = _made(shape, cursor.fetchall(), shape.readers(dialect, cursor))
+                        continue
+                    got = meanwhile(rows_of_first)
+                    found = _made(shape, cursor.fetchall(), shape.readers(dialect, cursor))
+    except dialect.loaded_dbapi.Error as error:
+        raise _as_sqlalchemy_error(connection, "; ".join(sql_text for _, sql_text, _ in bound), error) from error
+    for _, sql_text, values in bound:
+        connection.dispatch.after_cursor_execute(connection, None, sql_text, values, None, False)
+    return got, found
 
 
 def execute(session: Session, statements: list[tuple[Executable, dict[str, Any]]]) -> list[int]:

@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from functools import cache, lru_cache
-from typing import Any
+from functools import cache, lru_cache, partial
+from typing import Any, TypeVar
 
 from sqlalchemy import Float, Text, case, cast, func, literal_column, select
 from sqlalchemy.dialects.postgresql import aggregate_order_by
@@ -25,6 +25,8 @@ from sqlalchemy.sql import ColumnElement, Select
 
 from refill.models import driver, sql
 from refill.models.column_types import UTCDateTime, read_json
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,9 @@ class Read:
     statement: Select | sql.Query
     extra: tuple[str, ...] = ()
     when: ColumnElement[bool] | None = None
+    #: read in a second statement, which the server runs while this process reads the first's
+    #: rows (`fetch`): for a read whose cost is the server's, not its few rows' (a count)
+    late: bool = False
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -70,31 +75,50 @@ def column_keys(cls: Any) -> tuple[str, ...]:
     return tuple(cls.table.columns.keys()) if cls is not None else ()
 
 
-def fetch(session: Session, reads: Sequence[Read]) -> list[list[list[Any]] | None]:
-    """Run `reads` as one statement: for each, its rows as lists of values in `Read.names`
-    order, of the types a plain query of them returns (None for a read whose `when` did not
-    hold)."""
+def fetch(session: Session, reads: Sequence[Read], use: Callable[[Read, list[list[Any]] | None], T]) -> list[T]:
+    """Run `reads` as one statement, and return `use` of each read and its rows (lists of values
+    in `Read.names` order, of the types a plain query of them returns; None for a read whose
+    `when` did not hold).
+
+    The `late` reads go out as a second statement in the same round trip, once the first's row
+    is in (`driver.rows_then`): the server runs them while this process reads and `use`s the
+    others' rows (`use` must run no SQL)."""
     params: dict[str, Any] = {}
     for read in reads:
         for name, value in read.query.params.items():
             if params.setdefault(name, value) != value:
                 raise ValueError(f"load_all: two reads give parameter {name} different values")
-    statement = _together(tuple((read.cls, read.extra, read.query.statement, read.when) for read in reads))
-    [found] = driver.rows(session, statement, params)
-    out: list[list[list[Any]] | None] = []
-    for read, value_rows in zip(reads, found, strict=True):
-        if value_rows is None:  # its `when` did not hold
-            out.append(None)
-            continue
-        value_rows = read_json(value_rows)
-        width = len(read.names) - len(read.extra)
-        for position, reader in _json_readers(read.cls, width):
-            for values in value_rows:
-                value = values[position]
-                if value is not None:
-                    values[position] = reader(value)
-        out.append(value_rows)
-    return out
+    early = [read for read in reads if not read.late]
+    late = [read for read in reads if read.late]
+
+    def used(part: list[Read], found: list[Any]) -> dict[int, T]:
+        [row] = found
+        return {id(read): use(read, _values(read, value_rows)) for read, value_rows in zip(part, row, strict=True)}
+
+    if not late:
+        out = used(early, driver.rows(session, _statement(early), params))
+    else:
+        out, found = driver.rows_then(session, (_statement(early), params), (_statement(late), params), partial(used, early))
+        out.update(used(late, found))
+    return [out[id(read)] for read in reads]
+
+
+def _statement(reads: list[Read]) -> Select:
+    return _together(tuple((read.cls, read.extra, read.query.statement, read.when) for read in reads))
+
+
+def _values(read: Read, value_rows: str | None) -> list[list[Any]] | None:
+    """A read's JSON array (text) as its rows' values, read back to a plain query's types."""
+    if value_rows is None:  # its `when` did not hold
+        return None
+    rows = read_json(value_rows)
+    width = len(read.names) - len(read.extra)
+    for position, reader in _json_readers(read.cls, width):
+        for values in rows:
+            value = values[position]
+            if value is not None:
+                values[position] = reader(value)
+    return rows
 
 
 @lru_cache(maxsize=8192)

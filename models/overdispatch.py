@@ -86,7 +86,9 @@ def counts_read(ctx: RunContext) -> Read | None:
     if not _dispatching(ctx) or not ctx.run.next_step:
         return None
     step = ctx.run.next_step - 1
-    return Read(None, sql.dispatch_counts(ctx.run.id, step, step - ctx.settings.max_lookahead_versions), extra=("live", "parked"))
+    # Late: counting the step's live attempts walks thousands of index entries (most of the
+    # joint read's time on the server), while this process reads the batch's other rows.
+    return Read(None, sql.dispatch_counts(ctx.run.id, step, step - ctx.settings.max_lookahead_versions), extra=("live", "parked"), late=True)
 
 
 def counted(ctx: RunContext, read: Read, found: list[tuple[int, int]]) -> Counted:

@@ -276,20 +276,20 @@ class RowStore:
                 else:
                     out.append(self.load(read.cls, read.statement))
             return out
-        out = []
-        for read, value_rows in zip(reads, joint_read.fetch(self.session, reads), strict=True):
-            names = read.names
+        return joint_read.fetch(self.session, reads, self._adopted)
+
+    def _adopted(self, read: Read, value_rows: list[list[Any]] | None) -> Any:
+        """What `load_all` returns for `read`, from its rows' values (`joint_read.fetch`)."""
+        if value_rows is None:
+            return None
+        if read.cls is None:
+            return [tuple(values) for values in value_rows]
+        names = read.names
+        if read.extra:
             width = len(names) - len(read.extra)
-            if value_rows is None:
-                out.append(None)
-            elif read.cls is None:
-                out.append([tuple(values) for values in value_rows])
-            elif read.extra:
-                adopted = self.adopt(read.cls, names[:width], (values[:width] for values in value_rows))
-                out.append([(row, tuple(values[width:])) for row, values in zip(adopted, value_rows, strict=True)])
-            else:
-                out.append(self.adopt(read.cls, names, value_rows))
-        return out
+            adopted = self.adopt(read.cls, names[:width], (values[:width] for values in value_rows))
+            return [(row, tuple(values[width:])) for row, values in zip(adopted, value_rows, strict=True)]
+        return self.adopt(read.cls, names, value_rows)
 
     def _refresh(self, row: Row, read: dict[str, Any]) -> None:
         touched = row._set

@@ -195,6 +195,46 @@ def test_pipelined_statements_built_as_they_are_taken_go_out_before_the_next_is_
     assert d.query(lambda s: s.get(Run, d.run_id).zero_variance_groups) == 1
 
 
+def test_a_read_sent_after_another_runs_while_this_process_reads_the_first(ledger) -> None:  # type: ignore[no-untyped-def]
+    """`driver.rows_then`: `meanwhile` gets the first read's rows as `rows` returns them, and
+    on PostgreSQL the second read is running on the server meanwhile; its rows come back too.
+    On SQLite the two run one after the other, with the same rows."""
+    import time
+
+    d = Driver(ledger, check=False)
+    d.admit()
+    ids = [a.id for a in d.live()[:3]]
+    postgres = ledger.engine.dialect.name == "postgresql"
+    slow = select(_runs.c.id, func.pg_sleep(1.0).is_not(None).label("slept")) if postgres else select(_runs.c.id, literal_column("1").label("slept"))
+    slow = slow.where(_runs.c.id == bindparam("run_id"))
+
+    def server_runs(pid: int) -> bool:
+        deadline = time.monotonic() + 0.6
+        with ledger.engine.connect() as other:
+            while time.monotonic() < deadline:
+                query = other.execute(
+                    text("SELECT query FROM pg_stat_activity WHERE pid = :pid AND state = 'active'"), {"pid": pid}
+                ).scalar()
+                if query is not None and "pg_sleep" in query:
+                    return True
+                time.sleep(0.01)
+        return False
+
+    with ledger.session() as session:
+        pid = session.execute(text("SELECT pg_backend_pid()")).scalar_one() if postgres else None
+        seen: list[tuple[list[int], bool]] = []
+
+        def meanwhile(found):  # type: ignore[no-untyped-def]
+            seen.append(([row.id for row in found], server_runs(pid) if postgres else False))
+            return len(found)
+
+        first = (_READ, {"ids": ids, "slots": list(range(100))})
+        got, then = driver.rows_then(session, first, (slow, {"run_id": d.run_id}), meanwhile)
+        alone = [row.id for row in driver.rows(session, *first)]
+    assert seen == [(alone, postgres)] and got == 3
+    assert [(row.id, bool(row.slept)) for row in then] == [(d.run_id, True)]
+
+
 def test_json_values_are_stored_and_read_alike_on_every_path(ledger) -> None:  # type: ignore[no-untyped-def]
     """The ledger's JSON (`json_text`, `column_types.read_json`): written by COPY (`insert_rows`) and by
     SQLAlchemy, read by `driver.rows` and by SQLAlchemy, the same value on either ledger,

@@ -282,10 +282,12 @@ def test_lenders_leave_out_parked_groups_too_stale_for_every_open_step(ledger, m
         ledger.transaction(look)
 
 
-def test_reads_run_together_return_what_each_query_returns_alone(ledger) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("late", [False, True], ids=["one statement", "some late"])
+def test_reads_run_together_return_what_each_query_returns_alone(ledger, late) -> None:  # type: ignore[no-untyped-def]
     """`RowStore.load_all` (one statement on PostgreSQL, the rows carried as JSON) returns the
     same rows, values and types as one query per read: timestamps, floats that are whole
-    numbers, JSON, NULLs, each read's order and LIMIT, extra columns and plain tuples."""
+    numbers, JSON, NULLs, each read's order and LIMIT, extra columns and plain tuples; and so
+    do reads made `late` (a second statement), each in its place among the others."""
     from refill.models import sql
     from refill.models.rows import AttemptRow, Read, RowStore, SlotRow, SpareRow, StepRow
 
@@ -307,9 +309,9 @@ def test_reads_run_together_return_what_each_query_returns_alone(ledger) -> None
             Read(SlotRow, sql.open_slots(run_id, limit=1, waiting=True)),
             Read(SlotRow, sql.open_slots(run_id, limit=5)),
             Read(SlotRow, committed, extra=("lender_version",)),
-            Read(None, parked, extra=("attempt_id", "weight_version")),
+            Read(None, parked, extra=("attempt_id", "weight_version"), late=late),
             Read(SpareRow, sql.spares(run_id, 0, 4)),
-            Read(StepRow, sql.unfinished_steps(run_id)),
+            Read(StepRow, sql.unfinished_steps(run_id), late=late),
         ]
 
     def typed(found):  # type: ignore[no-untyped-def]
