@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from sqlalchemy import Engine, bindparam, create_engine, event, func, select
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import DBAPIError, DisconnectionError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from refill.models import driver
@@ -48,6 +48,10 @@ _RETRYABLE_SQLSTATES = {
 
 #: How long PostgreSQL lets a ledger connection sit idle inside a transaction (`make_engine`).
 IDLE_IN_TRANSACTION_SECONDS = 15
+
+#: A pooled PostgreSQL connection idle in the pool longer than this is pinged before it is
+#: handed out (`_ping_when_idle`); one back within it was in use a moment ago.
+PING_AFTER_IDLE_SECONDS = 0.5
 
 
 def redact(url: str) -> str:
@@ -88,16 +92,11 @@ def make_engine(url: str, *, echo: bool = False, application_name: str | None = 
     options = str(parsed.query.get("options") or "")
     if "idle_in_transaction_session_timeout" not in options:
         connect_args["options"] = f"{options} -c idle_in_transaction_session_timeout={IDLE_IN_TRANSACTION_SECONDS}s".strip()
-    return create_engine(
+    engine = create_engine(
         parsed,
         echo=echo,
         # psycopg's JSON dumper on this engine's connections too.
         json_serializer=json_text,
-        # A ping on checkout (a round trip per transaction). Without it every write still
-        # survives a dropped connection (`Ledger.transaction` runs it again), but the fault
-        # suite's PostgreSQL restart once saw workers' first heartbeats after the restart come
-        # too late and 11 leases reaped (stop 28): kept until that is understood.
-        pool_pre_ping=True,
         # Each fleet process needs few connections (the consumer commits in groups); a fleet
         # of dozens of processes must fit PostgreSQL's max_connections.
         pool_size=5,
@@ -105,6 +104,47 @@ def make_engine(url: str, *, echo: bool = False, application_name: str | None = 
         pool_recycle=1800,
         connect_args=connect_args,
     )
+    _ping_when_idle(engine)
+    return engine
+
+
+_IDLE_SINCE = "refill_idle_since"
+
+
+def _ping_when_idle(engine: Engine) -> None:
+    """Ping a pooled connection on checkout when it sat in the pool longer than
+    `PING_AFTER_IDLE_SECONDS`, and replace it if the server dropped it (a restart, a
+    terminated backend): SQLAlchemy's `pool_pre_ping`, but not for a connection checked in a
+    moment ago.
+
+    Every write survives a dropped connection without a ping (`Ledger.transaction` runs it
+    again), but the fault suite's PostgreSQL restart once saw workers' first heartbeats after
+    it come too late and 11 leases reaped (stop 28), so idle connections are still pinged. A
+    ping is a round trip, and a consumer's batches, a relay's passes and a worker's lease
+    handshakes check a connection out again within milliseconds: pinged on every checkout,
+    each of their transactions paid one more round trip for a connection it had just used
+    (HikariCP's `aliveBypassWindowMs` is the same trade)."""
+    dialect = engine.dialect
+
+    @event.listens_for(engine, "connect")
+    def _connected(dbapi_connection, record):  # type: ignore[no-untyped-def]
+        record.info[_IDLE_SINCE] = time.monotonic()
+
+    @event.listens_for(engine, "checkin")
+    def _checked_in(dbapi_connection, record):  # type: ignore[no-untyped-def]
+        record.info[_IDLE_SINCE] = time.monotonic()
+
+    @event.listens_for(engine, "checkout")
+    def _checked_out(dbapi_connection, record, proxy):  # type: ignore[no-untyped-def]
+        if time.monotonic() - record.info.get(_IDLE_SINCE, 0.0) <= PING_AFTER_IDLE_SECONDS:
+            return
+        try:
+            dialect.do_ping(dbapi_connection)
+        except dialect.loaded_dbapi.Error as error:
+            if dialect.is_disconnect(error, dbapi_connection, None):
+                # The pool drops this connection and checks out a fresh one (three tries).
+                raise DisconnectionError(f"pooled connection dropped while idle: {error}") from error
+            raise
 
 
 def _configure_sqlite(engine: Engine) -> None:

@@ -1,5 +1,5 @@
 """A pooled connection the database dropped costs a transaction nothing: the pool's ping
-finds it out on checkout, and a connection that drops under a transaction makes
+finds it out on checkout (of a connection idle a while: `db._ping_when_idle`), and a connection that drops under a transaction makes
 `Ledger.transaction` (and the exporter's read) run again on a fresh one. A transaction whose
 process froze inside it is ended by the server, so its row locks do not outlive the freeze."""
 
@@ -41,6 +41,46 @@ def test_a_transaction_on_a_dropped_connection_runs_again_on_a_fresh_one(pg_url)
         assert _drop_connections(pg_url, "refill-test-dropped") == 1
         runs, rejected = read_ledger(ledger, recent_minutes=60)
         assert isinstance(runs, list) and isinstance(rejected, dict)
+    finally:
+        ledger.dispose()
+
+
+def test_a_connection_idle_in_the_pool_is_pinged_and_replaced_if_dropped_one_just_used_is_not(pg_url, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """`db._ping_when_idle`: a connection checked out again within `PING_AFTER_IDLE_SECONDS` of
+    its last use costs no ping; one idle longer is pinged, and if the server dropped it
+    meanwhile, the pool hands out a fresh one: the session's first statement succeeds, with
+    no transaction run again."""
+    monkeypatch.setattr(db, "PING_AFTER_IDLE_SECONDS", 0.3)
+    ledger = Ledger(pg_url, application_name="refill-test-idle-ping")
+    pings: list[bool] = []
+    ping = ledger.engine.dialect.do_ping
+
+    def counted(dbapi_connection):  # type: ignore[no-untyped-def]
+        try:
+            alive = ping(dbapi_connection)
+        except Exception:
+            pings.append(False)
+            raise
+        pings.append(bool(alive))
+        return alive
+
+    monkeypatch.setattr(ledger.engine.dialect, "do_ping", counted)
+
+    def backend() -> int:
+        # A session straight from the pool, not `Ledger.transaction`: nothing runs it again.
+        with ledger.sessions.begin() as session:
+            return int(session.scalar(text("SELECT pg_backend_pid()")))
+
+    try:
+        first = backend()
+        assert [backend() for _ in range(5)] == [first] * 5  # back to back: the same connection
+        assert pings == []
+        time.sleep(0.4)
+        assert backend() == first and pings == [True]  # idle past the window: pinged, alive
+        time.sleep(0.4)
+        assert _drop_connections(pg_url, "refill-test-idle-ping") == 1
+        fresh = backend()
+        assert fresh != first and pings == [True, False]
     finally:
         ledger.dispose()
 
