@@ -13,7 +13,7 @@ migrations, so the same indexes and constraints), one transaction for each of th
 the step's order: deletes, then per table (parents first) its new rows in one statement, then
 per table and set of changed columns one `UPDATE ... FROM unnest(...)` with one array parameter
 per column, the transaction's UPDATEs sent together. Rows go in and change as the ledger writes
-them, with the ledger's own `refill.models.rows.send_changes` (which `RowStore.write` calls: a
+them, with the ledger's own `refill.models.driver.send_changes` (which `RowStore.write` calls: a
 table's few new rows as `refill.models.driver.unnest_insert` in the round trip of the UPDATEs,
 thousands as `refill.models.driver.insert_rows`, a COPY; `refill.models.driver.unnest_update`, the
 arrays spelled as text, all sent by `refill.models.driver.execute_pipelined`): the floor is
@@ -37,7 +37,7 @@ from typing import Any
 from sqlalchemy import JSON, Engine, Table, delete, func, null, select, text, tuple_
 
 from bench.machine import process_cpu
-from refill.models.rows import send_changes
+from refill.models.driver import send_changes
 
 
 @dataclass

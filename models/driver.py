@@ -1,7 +1,7 @@
 """Statements the ledger runs on psycopg directly, past SQLAlchemy's execution (PostgreSQL;
 elsewhere each falls back to SQLAlchemy): the reads that run every batch or relay pass
 (`rows`), new rows as one `COPY` (`insert_rows`) or, a few, as arrays (`unnest_insert`), a
-batch's writes in one round trip (`execute_pipelined`), and the spellings they need
+change set's writes in one round trip (`send_changes`, `execute_pipelined`), and the spellings they need
 (`driver_values`, `array_text`). Each keeps what SQLAlchemy's execution gives its callers: the
 engine's cursor listeners see the statement, and a driver error comes out as SQLAlchemy's (so
 that `Ledger.transaction` retries what it would retry)."""
@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from enum import Enum
-from functools import lru_cache
+from functools import lru_cache, partial
 from types import NoneType
 from typing import Any, TypeVar
 
@@ -467,3 +467,53 @@ def array_text(values: list[Any]) -> str | list[Any]:
     if text is None:
         return values
     return "{" + ",".join(["NULL" if value is None else text(value) for value in values]) + "}"
+
+
+#: Up to how many new rows of a table `send_changes` inserts with an `INSERT ... SELECT FROM
+#: unnest` in the round trip of the UPDATEs (`unnest_insert`), not a COPY of their own:
+#: a batch of results makes a few dozen a table, a step's admission thousands (bench/README.md,
+#: stop 42).
+PIPELINED_INSERT_ROWS = 256
+
+
+def send_changes(
+    executor: Session | Connection,
+    inserts: Sequence[tuple[Table, list[dict[str, Any]]]],
+    updates: Sequence[tuple[Table, Sequence[str], Sequence[Mapping[str, Any]]]],
+) -> None:
+    """PostgreSQL: insert each table's new rows (`inserts`, in table order, as `insert_rows`
+    takes them), then update each table's changed ones (`updates`: the columns set and the rows,
+    primary key included, each an `UPDATE ... FROM unnest`), checking every statement's count.
+
+    A table's few new rows (up to `PIPELINED_INSERT_ROWS`) and the UPDATEs go out together in
+    one round trip (`execute_pipelined`); more go out as a COPY of their own, after the
+    pending inserts of the tables before it (its rows may reference theirs). `RowStore.write`
+    writes a batch's changes with it, and `bench overhead`'s floor the same rows."""
+    dialect = executor.get_bind().dialect if isinstance(executor, Session) else executor.dialect
+    # Each statement is built as the pipeline takes it: the server runs one while the next is
+    # built (its arrays spelled as text, a sixth of a batch's CPU).
+    pending: list[tuple[str, Table, int, Callable[[], tuple[str, dict[str, Any]]]]] = []
+    for table, values in inserts:
+        if len(values) <= PIPELINED_INSERT_ROWS:
+            pending.append(("insert", table, len(values), partial(unnest_insert, dialect, table, values)))
+        else:
+            _send_pipelined(executor, pending)
+            pending = []
+            insert_rows(executor, table, values)
+    for table, keys, rows in updates:
+        pending.append(("update", table, len(rows), partial(unnest_update, dialect, table, keys, rows)))
+    _send_pipelined(executor, pending)
+
+
+def _send_pipelined(executor: Session | Connection, pending: list[tuple[str, Table, int, Callable[[], tuple[str, dict[str, Any]]]]]) -> None:
+    if not pending:
+        return
+    counts = execute_pipelined(executor, (build() for *_, build in pending))
+    for (what, table, rows, _), count in zip(pending, counts, strict=True):
+        check_count(what, table, count, rows)
+
+
+def check_count(what: str, table: Table, count: int, rows: int) -> None:
+    if count not in (rows, -1):
+        kind = "changed" if what == "update" else "new"
+        raise RuntimeError(f"{what} of {table.name} matched {count} rows for {rows} {kind} rows")

@@ -12,7 +12,7 @@ same), and writes what changed when the operation flushes:
 2. **changed rows** as one `UPDATE` per table and set of changed columns: on PostgreSQL
    `UPDATE t SET c = v.c FROM unnest(:ids, :c...) AS v(...)` with one array parameter per
    column, a write's every UPDATE sent in one round trip with its few new rows
-   (`send_changes`, which `bench overhead`'s floor writes with too), elsewhere an
+   (`driver.send_changes`, which `bench overhead`'s floor writes with too), elsewhere an
    executemany. A row's changes are found by comparing the columns set since it was read or
    last written with the values they held then (`Row._set`, kept by the row as each column is
    first set), among the rows set since the last write (a row lists itself in its store's
@@ -31,13 +31,12 @@ identity map; a row another statement changed in the database is patched here (`
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from functools import cache, lru_cache, partial
+from functools import cache, lru_cache
 from types import MappingProxyType
 from typing import Any, ClassVar, NamedTuple
 
 from sqlalchemy import (
     JSON,
-    Connection,
     Table,
     and_,
     bindparam,
@@ -416,7 +415,7 @@ class RowStore:
             if cls in setting:
                 written += self._changes(cls, setting[cls], updates)
         if self.postgres:
-            send_changes(self.session, inserts, [(table, keys, [row.__dict__ for row in rows]) for table, keys, rows in updates])
+            driver.send_changes(self.session, inserts, [(table, keys, [row.__dict__ for row in rows]) for table, keys, rows in updates])
         else:
             for table, values in inserts:
                 driver.insert_rows(self.session, table, values)
@@ -468,57 +467,7 @@ class RowStore:
                 for row in rows
             ]
             count = self.session.execute(statement, params).rowcount
-            _check_count("update", table, count, len(rows))
-
-
-#: Up to how many new rows of a table `send_changes` inserts with an `INSERT ... SELECT FROM
-#: unnest` in the round trip of the UPDATEs (`driver.unnest_insert`), not a COPY of their own:
-#: a batch of results makes a few dozen a table, a step's admission thousands (bench/README.md,
-#: stop 42).
-PIPELINED_INSERT_ROWS = 256
-
-
-def send_changes(
-    executor: Session | Connection,
-    inserts: Sequence[tuple[Table, list[dict[str, Any]]]],
-    updates: Sequence[tuple[Table, Sequence[str], Sequence[Mapping[str, Any]]]],
-) -> None:
-    """PostgreSQL: insert each table's new rows (`inserts`, in table order, as `driver.insert_rows`
-    takes them), then update each table's changed ones (`updates`: the columns set and the rows,
-    primary key included, each an `UPDATE ... FROM unnest`), checking every statement's count.
-
-    A table's few new rows (up to `PIPELINED_INSERT_ROWS`) and the UPDATEs go out together in
-    one round trip (`driver.execute_pipelined`); more go out as a COPY of their own, after the
-    pending inserts of the tables before it (its rows may reference theirs). `RowStore.write`
-    writes a batch's changes with it, and `bench overhead`'s floor the same rows."""
-    dialect = executor.get_bind().dialect if isinstance(executor, Session) else executor.dialect
-    # Each statement is built as the pipeline takes it: the server runs one while the next is
-    # built (its arrays spelled as text, a sixth of a batch's CPU).
-    pending: list[tuple[str, Table, int, Callable[[], tuple[str, dict[str, Any]]]]] = []
-    for table, values in inserts:
-        if len(values) <= PIPELINED_INSERT_ROWS:
-            pending.append(("insert", table, len(values), partial(driver.unnest_insert, dialect, table, values)))
-        else:
-            _send_pipelined(executor, pending)
-            pending = []
-            driver.insert_rows(executor, table, values)
-    for table, keys, rows in updates:
-        pending.append(("update", table, len(rows), partial(driver.unnest_update, dialect, table, keys, rows)))
-    _send_pipelined(executor, pending)
-
-
-def _send_pipelined(executor: Session | Connection, pending: list[tuple[str, Table, int, Callable[[], tuple[str, dict[str, Any]]]]]) -> None:
-    if not pending:
-        return
-    counts = driver.execute_pipelined(executor, (build() for *_, build in pending))
-    for (what, table, rows, _), count in zip(pending, counts, strict=True):
-        _check_count(what, table, count, rows)
-
-
-def _check_count(what: str, table: Table, count: int, rows: int) -> None:
-    if count not in (rows, -1):
-        kind = "changed" if what == "update" else "new"
-        raise RuntimeError(f"{what} of {table.name} matched {count} rows for {rows} {kind} rows")
+            driver.check_count("update", table, count, len(rows))
 
 
 class _InsertShape(NamedTuple):

@@ -159,7 +159,7 @@ def test_writes_on_the_driver_go_out_together_and_count_their_rows(ledger) -> No
 def test_pipelined_statements_built_as_they_are_taken_go_out_before_the_next_is_built(pg_ledger) -> None:  # type: ignore[no-untyped-def]
     """`driver.execute_pipelined` takes each statement of a generator only once the one before
     it went out: the server runs a statement while this process builds the next (a batch's
-    write, `rows.send_changes`), and the counts still come back in order."""
+    write, `driver.send_changes`), and the counts still come back in order."""
     import time
 
     d = Driver(pg_ledger, check=False)

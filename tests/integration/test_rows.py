@@ -633,7 +633,7 @@ def test_a_writes_few_new_rows_go_out_with_its_updates_and_many_as_a_copy_in_tab
     """A table's new rows up to `PIPELINED_INSERT_ROWS` go out in the round trip of the write's
     UPDATEs; more, as a COPY of their own, after the pending inserts of the tables before it
     (its rows may reference theirs: outbox rows their new attempts)."""
-    from refill.models import rows as rows_module
+    from refill.models import driver as driver_module
     from refill.models.driver import PIPELINED
     from refill.models.rows import OutboxRow
 
@@ -652,7 +652,7 @@ def test_a_writes_few_new_rows_go_out_with_its_updates_and_many_as_a_copy_in_tab
         return {"id": id, "run_id": d.run_id, "kind": "generate", "attempt_id": attempt_id, "payload": {"id": id}, "created_at": when, "available_at": when, "send_count": 0}
 
     def write(limit: int, outbox_rows: int) -> None:
-        monkeypatch.setattr(rows_module, "PIPELINED_INSERT_ROWS", limit)
+        monkeypatch.setattr(driver_module, "PIPELINED_INSERT_ROWS", limit)
         seen.clear()
         base = 10**9 + 1000 * limit
         with pg_ledger.session() as session:
