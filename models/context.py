@@ -59,6 +59,7 @@ from refill.models.sql import (
 )
 from refill.models.tables import (
     Attempt,
+    AttemptReason,
     AttemptState,
     Group,
     RunStatus,
@@ -103,9 +104,7 @@ class RunContext:
     outbox: list[OutboxRow] = field(default_factory=list)
     #: ids of outbox rows written in bulk (admission's, `IdBlocks.insert`)
     bulk_outbox_ids: list[int] = field(default_factory=list)
-    #: slots whose live attempts were read into `rows`, and of those the ones read with their
-    #: rows locked (see `live_attempt`)
-    _live_read: set[tuple[int, int]] = field(default_factory=set)
+    #: slots whose live attempts were read into `rows` with their rows locked (`live_attempt`)
     _live_locked: set[tuple[int, int]] = field(default_factory=set)
     #: running slot attempts whose weights are too old for a later step (overdispatch)
     old_running: dict[tuple[int, int], int] | None = None
@@ -183,57 +182,57 @@ class RunContext:
 
     # --- the live attempt of a slot ------------------------------------------------------
 
-    def live_attempt(self, slot: SlotRow, *, lock: bool) -> AttemptRow | None:
+    def live_attempt(self, slot: SlotRow) -> AttemptRow | None:
         """The live attempt aimed at `slot` (None if it has none), as this transaction sees it,
-        to be changed in memory and written with the batch's other rows.
+        read with its row locked, to be moved to another slot in memory (a re-aim: the attempt
+        moves to another step, whose staleness floor it must meet) and written with the batch's
+        other rows.
 
-        `lock` (a re-aim: the attempt moves to another step, whose staleness floor it must
-        meet) reads its row locked first: a worker's lease handshake takes no run lock, so
-        without the row lock it could start the attempt with weights too old for where it is
-        being moved, between this read and the write; with it, the handshake waits for this
-        transaction and then sees where the attempt went. The read skips a row that is locked
-        already, and then the answer is None: a worker is starting that attempt (its handshake
-        holds the row), so it is not moved, and the transaction never waits on a worker.
-        Waiting there deadlocked: a handshake leases a bundle of attempts, and a batch locks
-        the attempts it re-aims one by one, in no common order. The lock is `FOR NO KEY
-        UPDATE`, which a handshake's update takes too, and not `FOR UPDATE`, which would also
-        wait for the foreign-key checks of other transactions' writes (the relay marking an
-        outbox row sent takes a key-share lock on its attempt).
-
-        A hand-over to the step's extras needs no lock: it writes only the attempt's slot and
-        reason, which no handshake writes, and the attempt serves the same step either way;
-        those rows are read for the whole prefix of open slots at the batch's first hand-over
-        (`prefetch_live`; most batches make none, and read none). An attempt made in this
-        transaction needs neither: nobody else can see it yet.
+        A worker's lease handshake takes no run lock, so without the row lock it could start
+        the attempt with weights too old for where it is being moved, between this read and the
+        write; with it, the handshake waits for this transaction and then sees where the
+        attempt went. The read skips a row that is locked already, and then the answer is None:
+        a worker is starting that attempt (its handshake holds the row), so it is not moved, and
+        the transaction never waits on a worker. Waiting there deadlocked: a handshake leases a
+        bundle of attempts, and a batch locks the attempts it re-aims one by one, in no common
+        order. The lock is `FOR NO KEY UPDATE`, which a handshake's update takes too, and not
+        `FOR UPDATE`, which would also wait for the foreign-key checks of other transactions'
+        writes (the relay marking an outbox row sent takes a key-share lock on its attempt). An
+        attempt made in this transaction needs no lock: nobody else can see it yet.
         """
         key = (slot.step, slot.idx)
-        if not lock and key not in self._live_read and self._open_slots:
-            self.prefetch_live(self._open_slots)
         found = self._live_in_rows(key)
-        if key in (self._live_locked if lock else self._live_read):
+        if key in self._live_locked:
             return found
         if found is None or self.rows.saved(found, "id") is not None:
-            read = self._load_live([key], lock=lock)
-            if lock and not read:
+            # A locking read refreshes what it finds: another transaction may have written the
+            # row since it was first read here.
+            if not self.rows.load(AttemptRow, sql.live_attempts(self.run.id, [key], lock=True), refresh=True):
                 # Locked by a worker's handshake, or no longer live: not this transaction's to move.
                 return None
             found = self._live_in_rows(key)
-        self._live_read.add(key)
-        if lock:
-            self._live_locked.add(key)
+        self._live_locked.add(key)
         return found
 
-    def prefetch_live(self, slots: list[SlotRow]) -> None:
-        """Read the live attempts of `slots` (without locking them) in one query."""
-        keys = [(slot.step, slot.idx) for slot in slots if (slot.step, slot.idx) not in self._live_read]
-        if keys:
-            self._load_live(keys, lock=False)
-            self._live_read.update(keys)
+    def hand_over(self, slot: SlotRow) -> None:
+        """The live attempt of `slot` (if it has one), which a group is about to fill, serves the
+        slot's step as an extra from now on: its slot is cleared and its reason is `extra`.
 
-    def _load_live(self, keys: list[tuple[int, int]], *, lock: bool) -> list[AttemptRow]:
-        # A locking read refreshes what it finds: another transaction may have written the
-        # row since it was first read here.
-        return self.rows.load(AttemptRow, sql.live_attempts(self.run.id, keys, lock=lock), refresh=lock)
+        An attempt this transaction holds (the batch's own, or one it made or moved) is changed
+        here. One it never read is changed by its slot with the next write, after the rows'
+        UPDATEs (`RowStore.handed_over`, `sql.hand_over`), without being read: a hand-over
+        needs no lock, as it writes only the attempt's slot and reason, which no handshake
+        writes, and the attempt serves the same step either way; no later decision of the
+        batch looks at it (its slot is filled; had it a result in the batch, it would be held
+        here). Reading the open slots' live attempts for their hand-overs cost a batch that
+        placed extras 2 ms (bench/README.md, stop 47).
+        """
+        attempt = self._live_in_rows((slot.step, slot.idx))
+        if attempt is not None:
+            attempt.slot_idx = None
+            attempt.reason = AttemptReason.EXTRA.value
+        else:
+            self.rows.handed_over.setdefault(self.run.id, []).append((slot.step, slot.idx))
 
     def _live_in_rows(self, key: tuple[int, int]) -> AttemptRow | None:
         for row in self.rows.attempts.values():

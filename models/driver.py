@@ -133,7 +133,7 @@ def execute(session: Session, statements: list[tuple[Executable, dict[str, Any]]
     dialect = connection.dialect
     if dialect.name != "postgresql":
         return [session.execute(statement, params).rowcount for statement, params in statements]
-    return execute_pipelined(session, [_bound(dialect, statement, params)[1:] for statement, params in statements])
+    return execute_pipelined(session, [bound(dialect, statement, params) for statement, params in statements])
 
 
 def _connection(session: Session) -> Connection:
@@ -155,6 +155,11 @@ def _on_driver(connection: Connection, statement: str, parameters: Any, *, execu
     except connection.dialect.loaded_dbapi.Error as error:
         raise _as_sqlalchemy_error(connection, statement, error) from error
     connection.dispatch.after_cursor_execute(connection, None, statement, parameters, None, executemany)
+
+
+def bound(dialect: Dialect, statement: Executable, params: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """`statement` (built once) with `params`, as `execute_pipelined` takes it."""
+    return _bound(dialect, statement, params)[1:]
 
 
 def _bound(dialect: Dialect, statement: Executable, params: dict[str, Any]) -> tuple[_Shape, str, dict[str, Any]]:
@@ -480,10 +485,12 @@ def send_changes(
     executor: Session | Connection,
     inserts: Sequence[tuple[Table, list[dict[str, Any]]]],
     updates: Sequence[tuple[Table, Sequence[str], Sequence[Mapping[str, Any]]]],
+    handed: Sequence[tuple[Any, int]] = (),
 ) -> None:
     """PostgreSQL: insert each table's new rows (`inserts`, in table order, as `insert_rows`
     takes them), then update each table's changed ones (`updates`: the columns set and the rows,
-    primary key included, each an `UPDATE ... FROM unnest`), checking every statement's count.
+    primary key included, each an `UPDATE ... FROM unnest`), then run the `handed` (a built-once
+    `sql.hand_over` and the most rows it may change), checking every statement's count.
 
     A table's few new rows (up to `PIPELINED_INSERT_ROWS`) and the UPDATEs go out together in
     one round trip (`execute_pipelined`); more go out as a COPY of their own, after the
@@ -502,6 +509,8 @@ def send_changes(
             insert_rows(executor, table, values)
     for table, keys, rows in updates:
         pending.append(("update", table, len(rows), partial(unnest_update, dialect, table, keys, rows)))
+    for (statement, params), most in handed:
+        pending.append(("hand-over", statement.table, most, partial(bound, dialect, statement, params)))
     _send_pipelined(executor, pending)
 
 
@@ -514,6 +523,7 @@ def _send_pipelined(executor: Session | Connection, pending: list[tuple[str, Tab
 
 
 def check_count(what: str, table: Table, count: int, rows: int) -> None:
-    if count not in (rows, -1):
+    # A hand-over matches the one live attempt of each slot, or none (an open slot may have none).
+    if count not in (rows, -1) and not (what == "hand-over" and 0 <= count < rows):
         kind = "changed" if what == "update" else "new"
         raise RuntimeError(f"{what} of {table.name} matched {count} rows for {rows} {kind} rows")

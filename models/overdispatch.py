@@ -328,7 +328,6 @@ def fill_tails_from_parked(ctx: RunContext) -> int:
         if not groups:
             continue
         slots = ctx.rows.load(SlotRow, sql.Query(_OPEN_OF_STEP, {"run_id": ctx.run.id, "step": step.step, "limit": len(groups)}))
-        ctx.prefetch_live(slots)
         for slot, group in zip(slots, groups, strict=False):
             if step.status != StepStatus.OPEN.value:
                 break

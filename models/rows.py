@@ -224,6 +224,9 @@ class RowStore:
         #: how many times rows were written to the database: a count read before a write is
         #: not the database's count after it (see `unwritten_change`)
         self.writes = 0
+        #: run id -> slots whose live attempts, not read here, serve their steps as extras from
+        #: the next write on (`RunContext.hand_over`): one UPDATE by slot, after the others
+        self.handed_over: dict[int, list[tuple[int, int]]] = {}
 
     # --- reading -------------------------------------------------------------------------
 
@@ -414,12 +417,18 @@ class RowStore:
         for cls in _UPDATE_ORDER:
             if cls in setting:
                 written += self._changes(cls, setting[cls], updates)
+        # After the UPDATEs by key: one of them may move or finish an attempt this matches.
+        handed = [(sql.hand_over(run_id, keys), len(keys)) for run_id, keys in self.handed_over.items()]
+        written += sum(most for _, most in handed)
+        self.handed_over = {}
         if self.postgres:
-            driver.send_changes(self.session, inserts, [(table, keys, [row.__dict__ for row in rows]) for table, keys, rows in updates])
+            driver.send_changes(self.session, inserts, [(table, keys, [row.__dict__ for row in rows]) for table, keys, rows in updates], handed)
         else:
             for table, values in inserts:
                 driver.insert_rows(self.session, table, values)
             self._update_each(updates)
+            for query, most in handed:
+                driver.check_count("hand-over", query.statement.table, self.session.execute(*query).rowcount, most)
         self.writes += bool(written)
         return written
 

@@ -313,7 +313,7 @@ def reaim(ctx: RunContext, source: SlotRow, target: SlotRow) -> bool:
     version it started with, so it may only move to a step that version can still train.
     """
     floor = max(0, target.step - ctx.settings.max_lookahead_versions)
-    attempt = ctx.live_attempt(source, lock=True)
+    attempt = ctx.live_attempt(source)
     if attempt is None or (attempt.state == _RUNNING and attempt.min_weight_version < floor):
         return False
     attempt.step, attempt.slot_idx = target.step, target.idx
@@ -364,10 +364,7 @@ def park(ctx: RunContext, group: GroupRow) -> None:
 def release_to_extra(ctx: RunContext, slot: SlotRow) -> None:
     """The live attempt of `slot`, which a group is about to fill, serves its step as an extra
     from now on (its result is placed like any extra's)."""
-    attempt = ctx.live_attempt(slot, lock=False)
-    if attempt is not None:
-        attempt.slot_idx = None
-        attempt.reason = AttemptReason.EXTRA.value
+    ctx.hand_over(slot)
 
 
 # --- failures (SPEC §3.2, §3.6) ----------------------------------------------------------

@@ -27,15 +27,17 @@ from sqlalchemy import (
     or_,
     select,
     true,
+    update,
 )
 from sqlalchemy.ext.compiler import compiles
-from sqlalchemy.sql import ColumnElement, Select
+from sqlalchemy.sql import ColumnElement, Select, Update
 from sqlalchemy.sql.selectable import CTE, ScalarSelect
 from sqlalchemy.sql.visitors import InternalTraversal
 from sqlalchemy.types import NullType, TypeDecorator
 
 from refill.models.tables import (
     Attempt,
+    AttemptReason,
     AttemptState,
     Group,
     Slot,
@@ -177,7 +179,7 @@ class Query(NamedTuple):
     """A read: a statement built once for its shape and the values of its named parameters.
     `session.execute(*query)` runs it."""
 
-    statement: Select[Any]
+    statement: Select[Any] | Update
     params: dict[str, Any]
 
 
@@ -375,6 +377,24 @@ def live_attempts(run_id: int, keys: Iterable[tuple[int, int]], *, lock: bool = 
     says why)."""
     steps, params = _slot_key_params(keys, "live")
     return Query(_live_attempts(steps, lock), {"run_id": run_id, **params})
+
+
+@cache
+def _hand_over(steps: int) -> Update:
+    where = _slot_keys_clause(_attempts.c.step, _attempts.c.slot_idx, steps, "handed")
+    return (
+        update(_attempts)
+        # Not `run_id`: an UPDATE's parameters may not be named for its columns.
+        .where(_attempts.c.run_id == bindparam("handed_run"), where, literal_in(_attempts.c.state, _LIVE))
+        .values(slot_idx=None, reason=AttemptReason.EXTRA.value)
+    )
+
+
+def hand_over(run_id: int, keys: Iterable[tuple[int, int]]) -> Query:
+    """The live attempts aimed at the slots at `keys` serve their steps as extras: an UPDATE by
+    slot, for attempts a batch has not read (`RunContext.hand_over`)."""
+    steps, params = _slot_key_params(keys, "handed")
+    return Query(_hand_over(steps), {"handed_run": run_id, **params})
 
 
 @cache

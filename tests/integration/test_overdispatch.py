@@ -332,15 +332,15 @@ def test_counts_read_ahead_are_not_used_once_the_batch_wrote_rows(pg_ledger) -> 
     assert len(look(write=True)) == 1
 
 
-def _live_attempt_reads(ledger, run):  # type: ignore[no-untyped-def]
-    """The statements `run` sends that read live attempts by their slots."""
+def _live_attempts_by_slot(ledger, run):  # type: ignore[no-untyped-def]
+    """The first word of each statement `run` sends that finds live attempts by their slots."""
     from sqlalchemy import event
 
     seen: list[str] = []
 
     def record(conn, cursor, statement, *args):  # type: ignore[no-untyped-def]
         if "attempts.slot_idx IN" in statement:
-            seen.append(statement)
+            seen.append(statement.split()[0])
 
     event.listen(ledger.engine, "before_cursor_execute", record)
     try:
@@ -350,19 +350,20 @@ def _live_attempt_reads(ledger, run):  # type: ignore[no-untyped-def]
     return seen
 
 
-def test_a_batch_reads_the_open_slots_live_attempts_only_when_a_group_takes_one_over(pg_ledger) -> None:  # type: ignore[no-untyped-def]
-    """A group placed in an open slot hands the slot's live attempt over to the extras, so a
-    batch that places one reads the live attempts of its whole prefix of open slots, once; a
-    batch whose groups fill only their own slots reads none (most batches of a step)."""
+def test_a_batch_hands_the_open_slots_live_attempts_over_with_its_write_without_reading_them(pg_ledger) -> None:  # type: ignore[no-untyped-def]
+    """A group placed in an open slot hands the slot's live attempt over to the extras: a batch
+    that places some hands those it never read over in one UPDATE by slot, with its write, and
+    reads none of them; a batch whose groups fill only their own slots sends neither (most
+    batches of a step)."""
     d = Driver(pg_ledger, over_dispatch(lookahead=1, sigmas=0.0))
     d.admit()
     d.start_all([a.id for a in d.live()])
     own = [d.result(d.live_of(1, idx).id, SPREAD) for idx in (0, 1)]
-    assert _live_attempt_reads(pg_ledger, lambda: d.record(*own)) == []
+    assert _live_attempts_by_slot(pg_ledger, lambda: d.record(*own)) == []
     first, second = extras(d, 1)
     displaced = {d.live_of(0, 0).id, d.live_of(0, 1).id}
-    reads = _live_attempt_reads(pg_ledger, lambda: d.record(d.result(first.id, SPREAD), d.result(second.id, SPREAD)))
-    assert len(reads) == 1, reads
+    sent = _live_attempts_by_slot(pg_ledger, lambda: d.record(d.result(first.id, SPREAD), d.result(second.id, SPREAD)))
+    assert sent == ["UPDATE"], sent
     # Both extras filled the earliest open slots they may (step 0's first two), whose own
     # attempts now serve that step as extras.
     from refill.models.results import committed_slot_of
@@ -370,6 +371,32 @@ def test_a_batch_reads_the_open_slots_live_attempts_only_when_a_group_takes_one_
     placed = {d.query(lambda s, a=a: committed_slot_of(s, d.run_id, a.id)) for a in (first, second)}
     assert placed == {(0, 0), (0, 1)}
     assert {a.id for a in extras(d, 0)} == displaced
+    assert {d.attempt(a).reason for a in displaced} == {"extra"}
+
+
+def test_a_slot_filled_with_no_live_attempt_hands_nothing_over_and_the_batch_stands(ledger) -> None:  # type: ignore[no-untyped-def]
+    """The hand-over by slot matches the slot's one live attempt, or none: an extra's group that
+    fills an open slot whose attempt is gone (cancelled by hand here) commits, and no other
+    attempt is touched."""
+    from sqlalchemy import update
+
+    from refill.models.tables import Attempt
+
+    d = Driver(ledger, over_dispatch(lookahead=1, sigmas=0.0), check=False)
+    d.admit()
+    d.start_all([a.id for a in d.live()])
+    gone = d.live_of(0, 0).id
+    d.query(lambda s: s.execute(update(Attempt).where(Attempt.id == gone).values(state="cancelled")))
+    first, _ = extras(d, 1)
+    before = {a.id: (a.step, a.slot_idx, a.reason) for a in d.live()}
+    batch = d.record(d.result(first.id, SPREAD))
+    assert [o.outcome.value for o in batch.outcomes] == ["COMMITTED"]
+    from refill.models.results import committed_slot_of
+
+    assert d.query(lambda s: committed_slot_of(s, d.run_id, first.id)) == (0, 0)
+    after = {a.id: (a.step, a.slot_idx, a.reason) for a in d.live()}
+    assert after == {i: place for i, place in before.items() if i != first.id}
+    assert d.attempt(gone).state == "cancelled"
 
 
 def test_a_batch_reads_its_attempts_and_their_slots_in_one_statement(pg_ledger) -> None:  # type: ignore[no-untyped-def]
