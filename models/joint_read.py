@@ -1,4 +1,5 @@
-"""Several reads of the ledger in one statement (PostgreSQL): what `RowStore.load_all` runs.
+"""Several reads of the ledger in one statement (PostgreSQL): what `RowStore.load_all` runs
+(and its `late` reads in a second one, in the same round trip).
 
 A batch of results reads eight prefixes of the run's state before it decides (its attempts
 and their slots, over-dispatch's counts, the caches' first loads: `RunContext.read_ahead`),
@@ -7,7 +8,8 @@ batch (`bench overhead --rtt-ms`; on one machine the JSON costs about what the r
 saved, bench/README.md). Here they are one statement, each read's rows aggregated into a JSON
 array in its own order. JSON carries timestamps as text and whole numbers of float columns as
 integers; each table's columns are read back to the types a plain query returns
-(`_json_readers`). All reads see one snapshot, as the separate queries do under the run's lock.
+(`_json_readers`). The reads of one statement see one snapshot; a late read sees too what was
+committed before it ran, which under the run's lock changes nothing a batch reads.
 """
 
 from __future__ import annotations
@@ -82,14 +84,16 @@ def fetch(session: Session, reads: Sequence[Read], use: Callable[[Read, list[lis
 
     The `late` reads go out as a second statement in the same round trip, once the first's row
     is in (`driver.rows_then`): the server runs them while this process reads and `use`s the
-    others' rows (`use` must run no SQL)."""
+    others' rows (`use` must run no SQL). Where every read is late there is nothing to do
+    meanwhile, and they are one statement."""
     params: dict[str, Any] = {}
     for read in reads:
         for name, value in read.query.params.items():
             if params.setdefault(name, value) != value:
                 raise ValueError(f"load_all: two reads give parameter {name} different values")
     early = [read for read in reads if not read.late]
-    late = [read for read in reads if read.late]
+    late = [read for read in reads if read.late] if early else []
+    early = early or list(reads)
 
     def used(part: list[Read], found: list[Any]) -> dict[int, T]:
         [row] = found

@@ -282,12 +282,13 @@ def test_lenders_leave_out_parked_groups_too_stale_for_every_open_step(ledger, m
         ledger.transaction(look)
 
 
-@pytest.mark.parametrize("late", [False, True], ids=["one statement", "some late"])
+@pytest.mark.parametrize("late", ["none", "some", "all"], ids=["one statement", "some late", "all late"])
 def test_reads_run_together_return_what_each_query_returns_alone(ledger, late) -> None:  # type: ignore[no-untyped-def]
     """`RowStore.load_all` (one statement on PostgreSQL, the rows carried as JSON) returns the
     same rows, values and types as one query per read: timestamps, floats that are whole
     numbers, JSON, NULLs, each read's order and LIMIT, extra columns and plain tuples; and so
-    do reads made `late` (a second statement), each in its place among the others."""
+    do reads made `late` (a second statement), each in its place among the others, and reads
+    all late (one statement then)."""
     from refill.models import sql
     from refill.models.rows import AttemptRow, Read, RowStore, SlotRow, SpareRow, StepRow
 
@@ -304,14 +305,15 @@ def test_reads_run_together_return_what_each_query_returns_alone(ledger, late) -
 
     def reads() -> list[Read]:
         committed, parked = sql.lendable(run_id, 1, 16)
+        some, every = late != "none", late == "all"
         return [
-            Read(AttemptRow, select(*context_module.ATTEMPT_COLUMNS).where(attempts_table.c.run_id == run_id).order_by(attempts_table.c.id.desc())),
-            Read(SlotRow, sql.open_slots(run_id, limit=1, waiting=True)),
-            Read(SlotRow, sql.open_slots(run_id, limit=5)),
-            Read(SlotRow, committed, extra=("lender_version",)),
-            Read(None, parked, extra=("attempt_id", "weight_version"), late=late),
-            Read(SpareRow, sql.spares(run_id, 0, 4)),
-            Read(StepRow, sql.unfinished_steps(run_id), late=late),
+            Read(AttemptRow, select(*context_module.ATTEMPT_COLUMNS).where(attempts_table.c.run_id == run_id).order_by(attempts_table.c.id.desc()), late=every),
+            Read(SlotRow, sql.open_slots(run_id, limit=1, waiting=True), late=every),
+            Read(SlotRow, sql.open_slots(run_id, limit=5), late=every),
+            Read(SlotRow, committed, extra=("lender_version",), late=every),
+            Read(None, parked, extra=("attempt_id", "weight_version"), late=some),
+            Read(SpareRow, sql.spares(run_id, 0, 4), late=every),
+            Read(StepRow, sql.unfinished_steps(run_id), late=some),
         ]
 
     def typed(found):  # type: ignore[no-untyped-def]
