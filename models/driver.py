@@ -100,27 +100,25 @@ def rows_then(
     if dialect.name != "postgresql":
         got = meanwhile(list(session.execute(*first).all()))
         return got, list(session.execute(*then).all())
-    bound = [_bound(dialect, statement, params) for statement, params in (first, then)]
-    for i, (_, sql_text, values) in enumerate(bound):
+    statements = [_bound(dialect, statement, params) for statement, params in (first, then)]
+    for i, (_, sql_text, values) in enumerate(statements):
         connection.info[PIPELINED] = i > 0
         try:
             connection.dispatch.before_cursor_execute(connection, None, sql_text, values, None, False)
         finally:
             connection.info.pop(PIPELINED, None)
     raw = connection.connection.driver_connection
-    found: list[list[Any]] = []
+    (shape, sql_text, values), (then_shape, then_text, then_values) = statements
     try:
         with raw.pipeline():
-            for i, (shape, sql_text, values) in enumerate(bound):
-                with _sent(raw, shape, sql_text, values) as cursor:
-                    if i == 0:
-                        rows_of_first = _made(shape, cursor.fetchall(), shape.readers(dialect, cursor))
-                        continue
-                    got = meanwhile(rows_of_first)
-                    found = _made(shape, cursor.fetchall(), shape.readers(dialect, cursor))
+            with _sent(raw, shape, sql_text, values) as cursor:
+                rows_of_first = _made(shape, cursor.fetchall(), shape.readers(dialect, cursor))
+            with _sent(raw, then_shape, then_text, then_values) as cursor:
+                got = meanwhile(rows_of_first)
+                found = _made(then_shape, cursor.fetchall(), then_shape.readers(dialect, cursor))
     except dialect.loaded_dbapi.Error as error:
-        raise _as_sqlalchemy_error(connection, "; ".join(sql_text for _, sql_text, _ in bound), error) from error
-    for _, sql_text, values in bound:
+        raise _as_sqlalchemy_error(connection, f"{sql_text}; {then_text}", error) from error
+    for _, sql_text, values in statements:
         connection.dispatch.after_cursor_execute(connection, None, sql_text, values, None, False)
     return got, found
 
