@@ -202,7 +202,8 @@ class RunContext:
         """
         key = (slot.step, slot.idx)
         found = self._live_in_rows(key)
-        if key in self._live_locked:
+        if key in self._live_locked or self.handing_over(key):
+            # A slot handed over and open again (its group lent) has only what was made here.
             return found
         if found is None or self.rows.saved(found, "id") is not None:
             # A locking read refreshes what it finds: another transaction may have written the
@@ -222,10 +223,10 @@ class RunContext:
         here. One it never read is changed by its slot with the next write, after the rows'
         UPDATEs (`RowStore.handed_over`, `sql.hand_over`), without being read: a hand-over
         needs no lock, as it writes only the attempt's slot and reason, which no handshake
-        writes, and the attempt serves the same step either way; no later decision of the
-        batch looks at it (its slot is filled; had it a result in the batch, it would be held
-        here). Reading the open slots' live attempts for their hand-overs cost a batch that
-        placed extras 2 ms (bench/README.md, stop 47).
+        writes, and the attempt serves the same step either way. Until then the batch takes
+        the slot as having no attempt but those made here (`handing_over`); had the attempt a
+        result in the batch, it would be held here. Reading the open slots' live attempts for
+        their hand-overs cost a batch that placed extras 2 ms (bench/README.md, stop 47).
         """
         attempt = self._live_in_rows((slot.step, slot.idx))
         if attempt is not None:
@@ -233,6 +234,10 @@ class RunContext:
             attempt.reason = AttemptReason.EXTRA.value
         else:
             self.rows.handed_over.setdefault(self.run.id, []).append((slot.step, slot.idx))
+
+    def handing_over(self, key: tuple[int, int]) -> bool:
+        """Whether the live attempt the slot at `key` had is handed over with the next write."""
+        return key in self.rows.handed_over.get(self.run.id, ())
 
     def _live_in_rows(self, key: tuple[int, int]) -> AttemptRow | None:
         for row in self.rows.attempts.values():

@@ -523,5 +523,5 @@ def _send_pipelined(executor: Session | Connection, pending: list[tuple[str, Tab
 def check_count(what: str, table: Table, count: int, rows: int) -> None:
     # A hand-over matches the one live attempt of each slot, or none (an open slot may have none).
     if count not in (rows, -1) and not (what == "hand-over" and 0 <= count < rows):
-        kind = "changed" if what == "update" else "new"
-        raise RuntimeError(f"{what} of {table.name} matched {count} rows for {rows} {kind} rows")
+        kind = {"update": "changed rows", "hand-over": "slots"}.get(what, "new rows")
+        raise RuntimeError(f"{what} of {table.name} matched {count} rows for {rows} {kind}")

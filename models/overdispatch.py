@@ -247,9 +247,10 @@ def displaceable(ctx: RunContext, candidates: Sequence[SlotView]) -> list[SlotVi
                 step.num_slots, ctx.settings.over_dispatch_tail_fraction
             )
         attempt_id = old.get(key)
-        if attempt_id is None or tail[view.step]:
+        if attempt_id is None or tail[view.step] or ctx.handing_over(key):
             continue
-        # An attempt that finished, or moved, in this transaction no longer blocks its slot.
+        # An attempt that finished, moved or was handed over in this transaction no longer
+        # blocks its slot.
         row = ctx.rows.attempts.get(attempt_id)
         if row is not None and (row.state != _RUNNING or (row.step, row.slot_idx) != key):
             continue

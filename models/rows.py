@@ -225,8 +225,10 @@ class RowStore:
         #: not the database's count after it (see `unwritten_change`)
         self.writes = 0
         #: run id -> slots whose live attempts, not read here, serve their steps as extras from
-        #: the next write on (`RunContext.hand_over`): one UPDATE by slot, after the others
+        #: the next write on (`RunContext.hand_over`): one UPDATE by slot, after the others,
+        #: which leaves alone the attempts made here (`made_attempts`)
         self.handed_over: dict[int, list[tuple[int, int]]] = {}
+        self.made_attempts: list[int] = []
 
     # --- reading -------------------------------------------------------------------------
 
@@ -374,6 +376,8 @@ class RowStore:
         found = self._maps.get(cls)
         if found is not None:
             found[_KEYS[cls](row.__dict__)] = row
+        if cls is AttemptRow:
+            self.made_attempts.append(row.id)
         return row
 
     def patched(self, cls: type[Row], key: Any, **values: Any) -> None:
@@ -418,7 +422,7 @@ class RowStore:
             if cls in setting:
                 written += self._changes(cls, setting[cls], updates)
         # After the UPDATEs by key: one of them may move or finish an attempt this matches.
-        handed = [(sql.hand_over(run_id, keys), len(keys)) for run_id, keys in self.handed_over.items()]
+        handed = [(sql.hand_over(run_id, keys, self.made_attempts), len(keys)) for run_id, keys in self.handed_over.items()]
         written += sum(most for _, most in handed)
         self.handed_over = {}
         if self.postgres:

@@ -24,6 +24,7 @@ from sqlalchemy import (
     cast,
     exists,
     func,
+    not_,
     or_,
     select,
     true,
@@ -385,16 +386,23 @@ def _hand_over(steps: int) -> Update:
     return (
         update(_attempts)
         # Not `run_id`: an UPDATE's parameters may not be named for its columns.
-        .where(_attempts.c.run_id == bindparam("handed_run"), where, literal_in(_attempts.c.state, _LIVE))
+        .where(
+            _attempts.c.run_id == bindparam("handed_run"),
+            where,
+            literal_in(_attempts.c.state, _LIVE),
+            not_(ids_param(_attempts.c.id, "handed_made")),
+        )
         .values(slot_idx=None, reason=AttemptReason.EXTRA.value)
     )
 
 
-def hand_over(run_id: int, keys: Iterable[tuple[int, int]]) -> Query:
+def hand_over(run_id: int, keys: Iterable[tuple[int, int]], made: Iterable[int]) -> Query:
     """The live attempts aimed at the slots at `keys` serve their steps as extras: an UPDATE by
-    slot, for attempts a batch has not read (`RunContext.hand_over`)."""
+    slot, for attempts a batch has not read (`RunContext.hand_over`). Not the attempts `made`
+    by the transaction: a slot handed over may open again (its group lent) and take a new
+    attempt before the write."""
     steps, params = _slot_key_params(keys, "handed")
-    return Query(_hand_over(steps), {"handed_run": run_id, **params})
+    return Query(_hand_over(steps), {"handed_run": run_id, "handed_made": list(made), **params})
 
 
 @cache

@@ -430,3 +430,32 @@ def test_a_batch_reads_its_attempts_and_their_slots_in_one_statement(pg_ledger) 
     # Each batch committed one group into its own slot and filtered the other's.
     committed = d.query(lambda s: {(slot.idx, slot.status) for slot in s.query(Slot).filter_by(run_id=d.run_id, step=1).filter(Slot.idx < 4)})
     assert committed == {(0, "committed"), (1, "open"), (2, "committed"), (3, "open")}
+
+
+def test_a_hand_over_by_slot_leaves_alone_an_attempt_the_transaction_made_for_that_slot(ledger) -> None:  # type: ignore[no-untyped-def]
+    """A slot handed over by its slot (its live attempt never read) may open again in the same
+    batch (its group lent) and take a new attempt before the write: until the write the batch
+    sees only that one there (`live_attempt`), and the UPDATE by slot hands over the attempt
+    the slot had, not the one the transaction made for it."""
+    from refill.models.context import RunContext
+    from refill.models.slots import dispatch
+    from refill.models.tables import AttemptReason
+
+    d = Driver(ledger, check=False)  # the slot is left with a live attempt of its own again
+    d.admit()
+    old = d.live_of(0, 0).id
+
+    def act(session):  # type: ignore[no-untyped-def]
+        with RunContext.open(session, d.run_id) as ctx:
+            slot = ctx.slot(0, 0)
+            ctx.hand_over(slot)
+            assert ctx.rows.handed_over == {d.run_id: [(0, 0)]}  # not read: by its slot, at the write
+            # Until then the slot has no attempt but those made here: the one it had is an extra.
+            assert ctx.live_attempt(slot) is None
+            made = dispatch(ctx, step=0, slot=slot, prompt_id=slot.prompt_id, reason=AttemptReason.RETRY)
+            assert ctx.live_attempt(slot) is made
+            return made.id
+
+    made = ledger.transaction(act)
+    assert (d.attempt(old).slot_idx, d.attempt(old).reason) == (None, "extra")
+    assert (d.attempt(made).step, d.attempt(made).slot_idx, d.attempt(made).reason) == (0, 0, "retry")
