@@ -156,29 +156,31 @@ def test_writes_on_the_driver_go_out_together_and_count_their_rows(ledger) -> No
     assert d.query(lambda s: s.get(Run, d.run_id).zero_variance_groups) == 1
 
 
+def _sleeping(ledger, pid: int, *, within: float) -> bool:  # type: ignore[no-untyped-def]
+    """Whether PostgreSQL backend `pid` is running a statement that sleeps (`pg_sleep`), seen
+    from another connection within `within` seconds."""
+    import time
+
+    deadline = time.monotonic() + within
+    with ledger.engine.connect() as other:
+        while time.monotonic() < deadline:
+            query = other.execute(text("SELECT query FROM pg_stat_activity WHERE pid = :pid AND state = 'active'"), {"pid": pid}).scalar()
+            if query is not None and "pg_sleep" in query:
+                return True
+            time.sleep(0.01)
+    return False
+
+
 def test_pipelined_statements_built_as_they_are_taken_go_out_before_the_next_is_built(pg_ledger) -> None:  # type: ignore[no-untyped-def]
     """`driver.execute_pipelined` takes each statement of a generator only once the one before
     it went out: the server runs a statement while this process builds the next (a batch's
     write, `driver.send_changes`), and the counts still come back in order."""
-    import time
-
     d = Driver(pg_ledger, check=False)
     d.admit()
     running: list[bool] = []
 
     def server_runs(pid: int) -> bool:
-        """Whether backend `pid` is running the first statement now, seen from another
-        connection (within 0.8 s: the statement sleeps for 1.5)."""
-        deadline = time.monotonic() + 0.8
-        with pg_ledger.engine.connect() as other:
-            while time.monotonic() < deadline:
-                query = other.execute(
-                    text("SELECT query FROM pg_stat_activity WHERE pid = :pid AND state = 'active'"), {"pid": pid}
-                ).scalar()
-                if query is not None and "pg_sleep" in query:
-                    return True
-                time.sleep(0.01)
-        return False
+        return _sleeping(pg_ledger, pid, within=0.8)  # the statement sleeps for 1.5 s
 
     with pg_ledger.session() as session:
         pid = session.execute(text("SELECT pg_backend_pid()")).scalar_one()
@@ -199,8 +201,6 @@ def test_a_read_sent_after_another_runs_while_this_process_reads_the_first(ledge
     """`driver.rows_then`: `meanwhile` gets the first read's rows as `rows` returns them, and
     on PostgreSQL the second read is running on the server meanwhile; its rows come back too.
     On SQLite the two run one after the other, with the same rows."""
-    import time
-
     d = Driver(ledger, check=False)
     d.admit()
     ids = [a.id for a in d.live()[:3]]
@@ -208,24 +208,13 @@ def test_a_read_sent_after_another_runs_while_this_process_reads_the_first(ledge
     slow = select(_runs.c.id, func.pg_sleep(1.0).is_not(None).label("slept")) if postgres else select(_runs.c.id, literal_column("1").label("slept"))
     slow = slow.where(_runs.c.id == bindparam("run_id"))
 
-    def server_runs(pid: int) -> bool:
-        deadline = time.monotonic() + 0.6
-        with ledger.engine.connect() as other:
-            while time.monotonic() < deadline:
-                query = other.execute(
-                    text("SELECT query FROM pg_stat_activity WHERE pid = :pid AND state = 'active'"), {"pid": pid}
-                ).scalar()
-                if query is not None and "pg_sleep" in query:
-                    return True
-                time.sleep(0.01)
-        return False
-
     with ledger.session() as session:
         pid = session.execute(text("SELECT pg_backend_pid()")).scalar_one() if postgres else None
         seen: list[tuple[list[int], bool]] = []
 
         def meanwhile(found):  # type: ignore[no-untyped-def]
-            seen.append(([row.id for row in found], server_runs(pid) if postgres else False))
+            # the second read sleeps for 1 s
+            seen.append(([row.id for row in found], _sleeping(ledger, pid, within=0.6) if postgres else False))
             return len(found)
 
         first = (_READ, {"ids": ids, "slots": list(range(100))})
