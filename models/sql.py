@@ -177,8 +177,8 @@ def literal(value):  # type: ignore[no-untyped-def]
 
 
 class Query(NamedTuple):
-    """A read: a statement built once for its shape and the values of its named parameters.
-    `session.execute(*query)` runs it."""
+    """A read (or `hand_over`'s UPDATE): a statement built once for its shape and the values of
+    its named parameters. `session.execute(*query)` runs it."""
 
     statement: Select[Any] | Update
     params: dict[str, Any]
