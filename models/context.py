@@ -208,7 +208,7 @@ class RunContext:
         if found is None or self.rows.saved(found, "id") is not None:
             # A locking read refreshes what it finds: another transaction may have written the
             # row since it was first read here.
-            if not self.rows.load(AttemptRow, sql.live_attempts(self.run.id, [key], lock=True), refresh=True):
+            if not self.rows.load(AttemptRow, sql.live_attempts(self.run.id, [key]), refresh=True):
                 # Locked by a worker's handshake, or no longer live: not this transaction's to move.
                 return None
             found = self._live_in_rows(key)

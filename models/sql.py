@@ -362,22 +362,22 @@ def batch_has_extra() -> ColumnElement[bool]:
 
 
 @cache
-def _live_attempts(steps: int, lock: bool) -> Select[Any]:
+def _live_attempts(steps: int) -> Select[Any]:
     where = _slot_keys_clause(_attempts.c.step, _attempts.c.slot_idx, steps, "live")
-    statement = (
+    return (
         select(*ATTEMPT_COLUMNS)
         .where(_attempts.c.run_id == bindparam("run_id"), where, literal_in(_attempts.c.state, _LIVE))
         .order_by(_attempts.c.id)
+        .with_for_update(key_share=True, skip_locked=True)
     )
-    return statement.with_for_update(key_share=True, skip_locked=True) if lock else statement
 
 
-def live_attempts(run_id: int, keys: Iterable[tuple[int, int]], *, lock: bool = False) -> Query:
-    """The live attempts aimed at the slots at `keys`, in id order; with `lock`, locked
-    `FOR NO KEY UPDATE`, skipping those another transaction holds (`RunContext.live_attempt`
-    says why)."""
+def live_attempts(run_id: int, keys: Iterable[tuple[int, int]]) -> Query:
+    """The live attempts aimed at the slots at `keys`, in id order, locked `FOR NO KEY UPDATE`,
+    skipping those another transaction holds (`RunContext.live_attempt` says why; a hand-over
+    reads none, `hand_over`)."""
     steps, params = _slot_key_params(keys, "live")
-    return Query(_live_attempts(steps, lock), {"run_id": run_id, **params})
+    return Query(_live_attempts(steps), {"run_id": run_id, **params})
 
 
 @cache
