@@ -32,7 +32,8 @@ Redis cannot be reached).
 
 Results come from the `sim` back-end's model (prompt difficulty, n completions of
 `tokens_per_completion` tokens, `refill.rewards.sim:solved`), made outside the timers. `--profile`
-prints the top functions (cumulative time) of the record phase, where the time goes. `--rtt-ms`
+prints the top functions (cumulative time) of the record phase, where the time goes; `--parts`
+the record phase's lock, read, decisions and write, each by wall and CPU time (`bench/parts.py`). `--rtt-ms`
 makes every SQL round trip wait that long first, as for a ledger on another host (what saving a
 round trip is worth only shows at that price).
 
@@ -58,12 +59,13 @@ import statistics
 import sys
 import time
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
 from bench.floor import ChangeLog, Floor, describe, replay
 from bench.machine import cpu_ticks, load_average, process_cpu, steal_since
+from bench.parts import Parts, print_parts
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -125,7 +127,8 @@ class Timers:
 
     @contextmanager
     def time(self, name: str):  # type: ignore[no-untyped-def]
-        PHASE[0] = name
+        # Nested (the release's metrics inside a batch): the outer phase goes on after it.
+        outer, PHASE[0] = PHASE[0], name
         db_started = cpu_seconds(self.backends)
         cpu_started = time.process_time()
         started = time.perf_counter()
@@ -136,7 +139,7 @@ class Timers:
             self.cpu[name] += time.process_time() - cpu_started
             self.db_cpu[name] += cpu_seconds(self.backends) - db_started
             self.calls[name] += 1
-            PHASE[0] = ""
+            PHASE[0] = outer
 
 
 def one_step(
@@ -419,6 +422,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--profile-out", default=None, help="also write the profile to this file (for pstats/snakeviz)")
     parser.add_argument("--statements", action="store_true", help="count SQL statements per phase")
+    parser.add_argument("--parts", action="store_true", help="time the record phase's parts (bench/parts.py)")
     parser.add_argument(
         "--rtt-ms", type=float, default=0.0,
         help="simulated network latency: every SQL round trip (a statement, an executemany, a "
@@ -455,14 +459,15 @@ def main(argv: list[str] | None = None) -> int:
     counts: dict[str, int] = {}
     samples: list[dict[str, Any]] = []
     floors: list[Floor] = []
+    part_rounds: list[tuple[Parts, float, float, int]] = []
     for i in range(args.repeat):
         ticks = cpu_ticks()
         with temporary_pg_database("refill_bench_overhead") as url:
             upgrade(url)
+            parts = Parts(lambda: PHASE[0] in ("record", "metrics"))
             try:
-                timers, counts, samples, log = one_step(
-                    url, args, profile if i == args.repeat - 1 else None, args.profile
-                )
+                with parts.installed() if args.parts else nullcontext():
+                    timers, counts, samples, log = one_step(url, args, profile if i == args.repeat - 1 else None, args.profile)
             finally:
                 shutil.rmtree(OUTPUT_DIR, ignore_errors=True)
         # A database of its own, after the step: the floor neither shares the step's tables
@@ -471,6 +476,9 @@ def main(argv: list[str] | None = None) -> int:
             upgrade(scratch)
             floors.append(replay(scratch, log.changes))
         rounds.append(timers)
+        if args.parts:
+            record = sum(timers.seconds[p] for p in ("record", "release", "metrics"))
+            part_rounds.append((parts, record, timers.cpu["record"], counts["record batches"]))
         total = sum(timers.seconds[p] for p in PHASES)
         cpu = sum(timers.cpu[p] + timers.db_cpu[p] for p in PHASES)
         print(
@@ -515,6 +523,8 @@ def main(argv: list[str] | None = None) -> int:
     claim = statistics.median(t.seconds["trainer claim"] for t in rounds)
     row("payloads read (not counted)", ("payload read",), f"   claim target <= 0.2 s: {'met' if claim <= 0.2 else 'NOT met'}")
     print_floor(rounds, floors)
+    if part_rounds:
+        print_parts(part_rounds)
     consumer_cpu = statistics.median(t.cpu["record"] for t in rounds)
     print(
         f"consumer CPU per result (record phase: decode, record, remove discarded payloads): "

@@ -37,7 +37,7 @@ def test_fill_bench_prints_three_strategies_with_staleness_in_bound() -> None:
 
 
 def test_overhead_bench_prints_each_phase_and_the_target() -> None:
-    out = run_bench("overhead", "--groups", "64", "--repeat", "1", "--tokens", "40", "--rtt-ms", "0.1")
+    out = run_bench("overhead", "--groups", "64", "--repeat", "1", "--tokens", "40", "--rtt-ms", "0.1", "--parts")
     assert "a simulated round trip of 0.1 ms" in out, out
     assert "n=16 x 40 tokens" in out and "; 40.0 tokens per completion" in out, out  # as asked, recorded
     for phase in ("admission", "relay", "record", "release", "metrics", "controller overhead"):
@@ -48,6 +48,10 @@ def test_overhead_bench_prints_each_phase_and_the_target() -> None:
     assert re.search(r"^  round 1: total .*, steal (\d+\.\d%|n/a)$", out, re.MULTILINE), out
     # The floor replayed the step's rows (its UPDATEs check the rows they matched) and is printed.
     assert re.search(r"^controller overhead / floor: [\d.]+ \([\d.]+ s / [\d.]+ s;", out, re.MULTILINE), out
+    # --parts: each part of a batch timed inside the record phase, what is left over not negative.
+    parts = dict(re.findall(r"^  (lock|read|decide|write|rest)\s+(-?[\d.]+)\s", out, re.MULTILINE))
+    assert list(parts) == ["lock", "read", "decide", "write", "rest"], out
+    assert all(float(wall) > 0 for wall in parts.values()), out
 
 
 def test_scale_bench_prints_each_tenth_and_the_two_growth_figures() -> None:
