@@ -383,8 +383,12 @@ def live_attempts(run_id: int, keys: Iterable[tuple[int, int]]) -> Query:
 @cache
 def _hand_over(steps: int) -> Update:
     where = _slot_keys_clause(_attempts.c.step, _attempts.c.slot_idx, steps, "handed")
-    return (
-        update(_attempts)
+    # The rows are locked first, in id order, as every statement that locks several attempts
+    # locks them (a heartbeat, a lease handshake, the batch's UPDATEs by key): in slot order
+    # the batch could hold one attempt while waiting for another that a heartbeat holds, the
+    # heartbeat waiting in turn for the first (a deadlock, tests/integration/test_concurrency.py).
+    handed = (
+        select(_attempts.c.id)
         # Not `run_id`: an UPDATE's parameters may not be named for its columns.
         .where(
             _attempts.c.run_id == bindparam("handed_run"),
@@ -392,8 +396,12 @@ def _hand_over(steps: int) -> Update:
             literal_in(_attempts.c.state, _LIVE),
             not_(ids_param(_attempts.c.id, "handed_made")),
         )
-        .values(slot_idx=None, reason=AttemptReason.EXTRA.value)
+        .order_by(_attempts.c.id)
+        .with_for_update(key_share=True)
+        .cte("handed")
+        .prefix_with("MATERIALIZED")
     )
+    return update(_attempts).where(_attempts.c.id == handed.c.id).values(slot_idx=None, reason=AttemptReason.EXTRA.value)
 
 
 def hand_over(run_id: int, keys: Iterable[tuple[int, int]], made: Iterable[int]) -> Query:

@@ -645,3 +645,58 @@ def test_consumers_with_batches_over_two_runs_do_not_deadlock(pg: Ledger, caplog
         for s in range(ROUNDS // 2):
             one_round(s)
     assert [r.message for r in caplog.records if "retrying" in r.message] == []
+
+
+def test_a_hand_over_by_slot_locks_its_attempts_in_id_order(pg: Ledger) -> None:
+    """The hand-over by slot (`sql.hand_over`) takes its attempts' row locks in id order, as
+    every other statement that locks several attempts does (a worker's heartbeat, a lease
+    handshake): slot 0's live attempt Y was dispatched after slot 1's X, so in slot order the
+    batch would hold Y while it waited for X, and a heartbeat holding X that then wants Y would
+    close a deadlock with it. Here the heartbeat holds X; the batch must wait for X holding
+    nothing else, so the heartbeat's update of Y goes through at once."""
+    from refill.models.context import RunContext
+    from refill.models.slots import dispatch
+    from refill.models.tables import AttemptReason
+
+    d = Driver(pg, check=False)  # attempts changed by hand
+    d.admit()
+    first = d.live_of(0, 0).id
+    d.query(lambda s: s.execute(text("UPDATE attempts SET state = 'cancelled' WHERE id = :id"), {"id": first}))
+
+    def retry(session):  # type: ignore[no-untyped-def]
+        with RunContext.open(session, d.run_id) as ctx:
+            slot = ctx.slot(0, 0)
+            return dispatch(ctx, step=0, slot=slot, prompt_id=slot.prompt_id, reason=AttemptReason.RETRY).id
+
+    y, x = d.ledger.transaction(retry), d.live_of(0, 1).id
+    assert x < y
+    d.start_all([x, y])
+
+    def hand_over_both(session):  # type: ignore[no-untyped-def]
+        with RunContext.open(session, d.run_id) as ctx:
+            for idx in (0, 1):
+                ctx.hand_over(ctx.slot(0, idx))
+
+    errors: list[BaseException] = []
+
+    def batch() -> None:
+        try:
+            d.ledger.transaction(hand_over_both)
+        except BaseException as error:  # noqa: BLE001 - handed to the test thread below
+            errors.append(error)
+
+    with d.ledger.engine.connect() as heartbeat:
+        holding = heartbeat.begin()
+        heartbeat.execute(text("UPDATE attempts SET leased_until = leased_until WHERE id = :id"), {"id": x})
+        thread = threading.Thread(target=batch)
+        thread.start()
+        time.sleep(0.5)  # the batch's hand-over is waiting for X now
+        heartbeat.execute(text("SET LOCAL lock_timeout = '2s'"))
+        started = time.monotonic()
+        heartbeat.execute(text("UPDATE attempts SET leased_until = leased_until WHERE id = :id"), {"id": y})
+        waited = time.monotonic() - started
+        holding.commit()
+    thread.join(timeout=30)
+    assert not thread.is_alive() and not errors, errors
+    assert waited < 0.5, f"the heartbeat waited {waited:.2f} s for Y: the batch held it while it waited for X"
+    assert {(d.attempt(a).slot_idx, d.attempt(a).reason) for a in (x, y)} == {(None, "extra")}

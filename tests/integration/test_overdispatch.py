@@ -333,14 +333,15 @@ def test_counts_read_ahead_are_not_used_once_the_batch_wrote_rows(pg_ledger) -> 
 
 
 def _live_attempts_by_slot(ledger, run):  # type: ignore[no-untyped-def]
-    """The first word of each statement `run` sends that finds live attempts by their slots."""
+    """The kind of each statement `run` sends that finds live attempts by their slots: UPDATE
+    for one that changes them (the hand-over locks them first, in a CTE), else its first word."""
     from sqlalchemy import event
 
     seen: list[str] = []
 
     def record(conn, cursor, statement, *args):  # type: ignore[no-untyped-def]
         if "attempts.slot_idx IN" in statement:
-            seen.append(statement.split()[0])
+            seen.append("UPDATE" if "UPDATE attempts SET" in statement else statement.split()[0])
 
     event.listen(ledger.engine, "before_cursor_execute", record)
     try:
