@@ -196,14 +196,16 @@ def reaim_stranded_extras(ctx: RunContext) -> int:
         for low, high in steps_between(open_steps)
     ]
     attempts = _attempts
+    stranded = sql.attempts_locked_by_id(
+        "stranded",
+        attempts.c.run_id == ctx.run.id,
+        attempts.c.slot_idx.is_(None),
+        literal_in(attempts.c.state, _UNSTARTED),
+        or_(*settled),
+    )
     moved = ctx.session.execute(
         update(attempts)
-        .where(
-            attempts.c.run_id == ctx.run.id,
-            attempts.c.slot_idx.is_(None),
-            literal_in(attempts.c.state, _UNSTARTED),
-            or_(*settled),
-        )
+        .where(attempts.c.id == stranded.c.id)
         .values(
             step=target,
             min_weight_version=case(

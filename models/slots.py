@@ -15,7 +15,7 @@ from typing import Any
 
 from sqlalchemy import func, select, update
 
-from refill.models import decisions
+from refill.models import decisions, sql
 from refill.models.barrier import maybe_release
 from refill.models.context import LENDER_CHOICES, PLACEMENT_CHOICES, RunContext
 from refill.models.dataloader import mark_taken, take_spare
@@ -478,9 +478,10 @@ def fail_run(ctx: RunContext, message: str, reason: str) -> None:
 def cancel_live_attempts(ctx: RunContext, why: str) -> int:
     ctx.flush()
     values = {"state": AttemptState.CANCELLED.value, "error": why, "finished_at": ctx.now}
+    live = sql.attempts_locked_by_id("live", _attempts.c.run_id == ctx.run.id, _attempts.c.state.in_(LIVE))
     cancelled = ctx.session.execute(
         update(_attempts)
-        .where(_attempts.c.run_id == ctx.run.id, _attempts.c.state.in_(LIVE))
+        .where(_attempts.c.id == live.c.id)
         .values(**values)
         .returning(_attempts.c.id)
     ).scalars().all()

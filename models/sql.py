@@ -380,26 +380,34 @@ def live_attempts(run_id: int, keys: Iterable[tuple[int, int]]) -> Query:
     return Query(_live_attempts(steps), {"run_id": run_id, **params})
 
 
-@cache
-def _hand_over(steps: int) -> Update:
-    where = _slot_keys_clause(_attempts.c.step, _attempts.c.slot_idx, steps, "handed")
-    # The rows are locked first, in id order, as every statement that locks several attempts
-    # locks them (a heartbeat, a lease handshake, the batch's UPDATEs by key): in slot order
-    # the batch could hold one attempt while waiting for another that a heartbeat holds, the
-    # heartbeat waiting in turn for the first (a deadlock, tests/integration/test_concurrency.py).
-    handed = (
+def attempts_locked_by_id(name: str, *where: ColumnElement[bool]) -> CTE:
+    """The ids of the attempts `where` holds for, locked `FOR NO KEY UPDATE` in id order: what an
+    UPDATE of several attempts found otherwise than by id joins (`WHERE attempts.id = cte.id`).
+
+    Every statement that locks several attempts locks them in id order (a worker's heartbeat, a
+    lease handshake, the batch's UPDATEs by key), so two of them that meet wait for each other
+    rather than deadlock. Found by slot or by step, the rows would be locked in the index's
+    order: a batch could hold one attempt while waiting for another that a heartbeat holds, the
+    heartbeat waiting in turn for the first (tests/integration/test_concurrency.py)."""
+    return (
         select(_attempts.c.id)
-        # Not `run_id`: an UPDATE's parameters may not be named for its columns.
-        .where(
-            _attempts.c.run_id == bindparam("handed_run"),
-            where,
-            literal_in(_attempts.c.state, _LIVE),
-            not_(ids_param(_attempts.c.id, "handed_made")),
-        )
+        .where(*where)
         .order_by(_attempts.c.id)
         .with_for_update(key_share=True)
-        .cte("handed")
+        .cte(name)
         .prefix_with("MATERIALIZED")
+    )
+
+
+@cache
+def _hand_over(steps: int) -> Update:
+    handed = attempts_locked_by_id(
+        "handed",
+        # Not `run_id`: an UPDATE's parameters may not be named for its columns.
+        _attempts.c.run_id == bindparam("handed_run"),
+        _slot_keys_clause(_attempts.c.step, _attempts.c.slot_idx, steps, "handed"),
+        literal_in(_attempts.c.state, _LIVE),
+        not_(ids_param(_attempts.c.id, "handed_made")),
     )
     return update(_attempts).where(_attempts.c.id == handed.c.id).values(slot_idx=None, reason=AttemptReason.EXTRA.value)
 

@@ -700,3 +700,51 @@ def test_a_hand_over_by_slot_locks_its_attempts_in_id_order(pg: Ledger) -> None:
     assert not thread.is_alive() and not errors, errors
     assert waited < 0.5, f"the heartbeat waited {waited:.2f} s for Y: the batch held it while it waited for X"
     assert {(d.attempt(a).slot_idx, d.attempt(a).reason) for a in (x, y)} == {(None, "extra")}
+
+
+def test_every_update_of_attempts_found_otherwise_than_by_id_locks_them_in_id_order_first(pg: Ledger) -> None:
+    """The rule the test above checks for the hand-over, for every statement that changes
+    attempts it found by something else than their ids (a slot, a step, the run): a run's
+    cancellation when it fails, the re-aim of a released step's unstarted extras, the hand-over.
+    Each locks its rows first, in id order (`sql.attempts_locked_by_id`); the others are by id
+    (an UPDATE by key, `id = ANY`), which PostgreSQL walks in id order."""
+    import re
+
+    from tests.support.driver import FLAT
+
+    statements: list[str] = []
+
+    def record(conn, cursor, statement, *args):  # type: ignore[no-untyped-def]
+        if re.search(r"\bUPDATE attempts\b", statement):
+            statements.append(" ".join(statement.split()))
+
+    settings = {"async_rl": {"max_lookahead_versions": 1, "over_dispatch": {"enabled": True, "safety_sigmas": 0.0}}}
+    event.listen(pg.engine, "before_cursor_execute", record)
+    try:
+        # The re-aim: step 1 released with step 0 open, step 1's extras not started.
+        d = Driver(pg, settings)
+        d.admit()
+        for idx in range(4):
+            d.commit_slot(1, idx, SPREAD, version=0)
+        assert {a.step for a in d.live() if a.slot_idx is None} == {0}
+        # The hand-over: an extra's group fills slot (0, 0), whose attempt is not in the batch.
+        d.start_all([a.id for a in d.live()])
+        extra = next(a for a in d.live() if a.slot_idx is None)
+        d.record(d.result(extra.id, SPREAD))
+        # The cancellation: a slot's filter budget spent, the run failed.
+        failing = Driver(pg)
+        failing.admit()
+        for _ in range(4):
+            failing.filter_slot(0, 0, FLAT)
+        assert failing.run().status == "failed" and failing.live() == []
+    finally:
+        event.remove(pg.engine, "before_cursor_execute", record)
+    kinds = {"stranded": 0, "handed": 0, "live": 0}
+    for statement in statements:
+        locked = re.match(r"WITH (\w+) AS MATERIALIZED \(SELECT attempts\.id( AS id)? FROM attempts WHERE .* ORDER BY attempts\.id FOR NO KEY UPDATE\) UPDATE attempts SET .* WHERE attempts\.id = \1\.id", statement)
+        if locked:
+            kinds[locked.group(1)] += 1
+            continue
+        by_id = re.search(r"WHERE (t\.id = v\.id|attempts\.id = ANY|attempts\.id = %\(|attempts\.id IN \(|attempts\.id = handshake\.id)", statement)
+        assert by_id, f"an UPDATE of attempts neither by id nor locked in id order first: {statement[:300]}"
+    assert all(kinds.values()), kinds  # each of the three ran
