@@ -221,12 +221,12 @@ class RunContext:
 
         An attempt this transaction holds (the batch's own, or one it made or moved) is changed
         here. One it never read is changed by its slot with the next write, after the rows'
-        UPDATEs (`RowStore.handed_over`, `sql.hand_over`), without being read: a hand-over
-        needs no lock, as it writes only the attempt's slot and reason, which no handshake
-        writes, and the attempt serves the same step either way. Until then the batch takes
-        the slot as having no attempt but those made here (`handing_over`); had the attempt a
-        result in the batch, it would be held here. Reading the open slots' live attempts for
-        their hand-overs cost a batch that placed extras 2 ms (bench/README.md, stop 47).
+        UPDATEs (`RowStore.handed_over`, `sql.hand_over`, which locks its rows in id order),
+        without being read first: a hand-over writes only the attempt's slot and reason, which
+        no handshake writes, and the attempt serves the same step either way. Until then the
+        batch takes the slot as having no attempt but those made here (`handing_over`); had the
+        attempt a result in the batch, it would be held here. Reading the open slots' live
+        attempts for their hand-overs cost a batch that placed extras 2 ms (stop 47).
         """
         attempt = self._live_in_rows((slot.step, slot.idx))
         if attempt is not None:

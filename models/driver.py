@@ -102,11 +102,7 @@ def rows_then(
         return got, list(session.execute(*then).all())
     statements = [_bound(dialect, statement, params) for statement, params in (first, then)]
     for i, (_, sql_text, values) in enumerate(statements):
-        connection.info[PIPELINED] = i > 0
-        try:
-            connection.dispatch.before_cursor_execute(connection, None, sql_text, values, None, False)
-        finally:
-            connection.info.pop(PIPELINED, None)
+        _announce(connection, sql_text, values, pipelined=i > 0)
     raw = connection.connection.driver_connection
     (shape, sql_text, values), (then_shape, then_text, then_values) = statements
     try:
@@ -378,11 +374,7 @@ def execute_pipelined(executor: Session | Connection, statements: Iterable[tuple
     try:
         with raw.pipeline():
             for statement, parameters in statements:
-                connection.info[PIPELINED] = bool(sent)
-                try:
-                    connection.dispatch.before_cursor_execute(connection, None, statement, parameters, None, False)
-                finally:
-                    connection.info.pop(PIPELINED, None)
+                _announce(connection, statement, parameters, pipelined=bool(sent))
                 sent.append((statement, parameters))
                 cursors.append(cursor := raw.cursor())
                 cursor.execute(statement, parameters)
@@ -395,6 +387,16 @@ def execute_pipelined(executor: Session | Connection, statements: Iterable[tuple
     for statement, parameters in sent:
         connection.dispatch.after_cursor_execute(connection, None, statement, parameters, None, False)
     return counts
+
+
+def _announce(connection: Connection, statement: str, parameters: dict[str, Any], *, pipelined: bool) -> None:
+    """The engine's `before_cursor_execute` listeners see a statement about to go out, told
+    (`PIPELINED`) whether it shares the round trip of the one before it."""
+    connection.info[PIPELINED] = pipelined
+    try:
+        connection.dispatch.before_cursor_execute(connection, None, statement, parameters, None, False)
+    finally:
+        connection.info.pop(PIPELINED, None)
 
 
 def _as_sqlalchemy_error(connection: Connection, statement: str, error: Exception) -> DBAPIError:

@@ -24,6 +24,7 @@ from refill.models.rows import RowStore
 from refill.models.tables import Outbox
 from refill.models.training import claim_training, extend_training_lease
 from tests.support import invariants
+from tests.support.databases import backend_seen
 from tests.support.driver import SPREAD, Driver
 
 ROUNDS = 20
@@ -701,19 +702,9 @@ def test_a_hand_over_by_slot_locks_its_attempts_in_id_order(pg: Ledger, caplog: 
     assert {(d.attempt(a).slot_idx, d.attempt(a).reason) for a in (x, y)} == {(None, "extra")}
 
 
-def _a_backend_waits_for_a_lock(ledger: Ledger, within: float = 10.0) -> bool:
-    """Whether a backend of the ledger's database is waiting for a lock, within `within` s."""
-    deadline = time.monotonic() + within
-    with ledger.engine.connect() as watcher:
-        while time.monotonic() < deadline:
-            waiting = watcher.execute(
-                text("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'")
-            ).scalar_one()
-            watcher.commit()
-            if waiting:
-                return True
-            time.sleep(0.01)
-    return False
+def _a_backend_waits_for_a_lock(ledger: Ledger) -> bool:
+    """Whether a backend of the ledger's database is waiting for a lock, within 10 s."""
+    return backend_seen(ledger.engine, "datname = current_database() AND wait_event_type = 'Lock'", within=10.0)
 
 
 def test_every_update_of_attempts_found_otherwise_than_by_id_locks_them_in_id_order_first(pg: Ledger) -> None:

@@ -16,6 +16,7 @@ from refill.models.column_types import json_text, read_json
 from refill.models.db import lock_run
 from refill.models.sql import ids_param, literal, literal_in
 from refill.models.tables import Attempt, Outbox, Run, RunStatus
+from tests.support.databases import backend_seen
 from tests.support.driver import Driver
 
 _attempts, _outbox, _runs = Attempt.__table__, Outbox.__table__, Run.__table__
@@ -159,16 +160,8 @@ def test_writes_on_the_driver_go_out_together_and_count_their_rows(ledger) -> No
 def _sleeping(ledger, pid: int, *, within: float) -> bool:  # type: ignore[no-untyped-def]
     """Whether PostgreSQL backend `pid` is running a statement that sleeps (`pg_sleep`), seen
     from another connection within `within` seconds."""
-    import time
-
-    deadline = time.monotonic() + within
-    with ledger.engine.connect() as other:
-        while time.monotonic() < deadline:
-            query = other.execute(text("SELECT query FROM pg_stat_activity WHERE pid = :pid AND state = 'active'"), {"pid": pid}).scalar()
-            if query is not None and "pg_sleep" in query:
-                return True
-            time.sleep(0.01)
-    return False
+    condition = "pid = :pid AND state = 'active' AND query LIKE '%pg_sleep%'"
+    return backend_seen(ledger.engine, condition, {"pid": pid}, within=within)
 
 
 def test_pipelined_statements_built_as_they_are_taken_go_out_before_the_next_is_built(pg_ledger) -> None:  # type: ignore[no-untyped-def]

@@ -7,11 +7,13 @@ which the session sets to its throwaway server when it was not set."""
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
-from sqlalchemy import create_engine, text
+from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import make_url
 
 #: Outside a test session (the benchmarks), with REFILL_TEST_PG_URL unset: the local server.
@@ -62,3 +64,20 @@ def truncate_all(url: str) -> None:
         names = ", ".join(t.name for t in Base.metadata.sorted_tables)
         conn.execute(text(f"TRUNCATE {names} RESTART IDENTITY CASCADE"))
     engine.dispose()
+
+
+def backend_seen(engine: Engine, condition: str, params: dict[str, Any] | None = None, *, within: float) -> bool:
+    """Whether a PostgreSQL backend matching `condition` (SQL over `pg_stat_activity`'s columns)
+    shows up within `within` seconds, watched from a connection of its own: a test's way to know
+    that another thread's statement is running, or waiting, before it goes on. Each look is a
+    transaction of its own (a transaction sees one snapshot of the server's activity)."""
+    deadline = time.monotonic() + within
+    with engine.connect() as watcher:
+        while True:
+            seen = watcher.execute(text(f"SELECT count(*) FROM pg_stat_activity WHERE {condition}"), params or {}).scalar_one()
+            watcher.commit()
+            if seen:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
