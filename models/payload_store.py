@@ -49,6 +49,7 @@ from sqlalchemy.orm import Session
 
 from refill.config import RunConfig
 from refill.drain import Drain
+from refill.durable import fsync_dir
 from refill.models import rollout_codec
 from refill.models.db import Ledger
 from refill.models.payload import (
@@ -136,7 +137,7 @@ class FileStore:
         # whole batch. An fsync costs a journal commit (about 3 ms here, bench/README.md), which
         # per payload capped a worker's rate of results.
         for directory in directories:
-            _fsync_dir(directory)
+            fsync_dir(directory)
 
     def read(self, ref: PayloadRef) -> bytes:
         """The payload as its worker wrote it; DamagedPayload (saying what differs) if it is
@@ -200,16 +201,6 @@ class FileStore:
         if self.root.exists():
             shutil.rmtree(self.root)
         return count
-
-
-def _fsync_dir(path: Path) -> None:
-    # The rename must survive a crash of the machine too, not only of the process: the group
-    # that names this payload may be committed a moment later.
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def store_for(config: RunConfig, run_dir: str) -> FileStore | None:

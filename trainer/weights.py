@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from refill.durable import fsync_dir
 from refill.model_loading import quiet_transformers
 
 WEIGHTS = "weights"
@@ -75,15 +76,7 @@ def _fsync_tree(root: Path) -> None:
         for name in filenames:
             with open(os.path.join(dirpath, name), "rb") as fh:
                 os.fsync(fh.fileno())
-    _fsync_dir(root)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(root)
 
 
 def temporary_directory(final: Path) -> Path:
@@ -107,7 +100,7 @@ def commit_directory(tmp: Path, final: Path) -> None:
         shutil.rmtree(old)
     else:
         os.rename(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
 
 
 @contextlib.contextmanager

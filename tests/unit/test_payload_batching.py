@@ -30,13 +30,13 @@ def fsyncs(monkeypatch):  # type: ignore[no-untyped-def]
     """Each directory fsync, as the files its directory held when it started (a rename before
     that start is what the fsync makes durable)."""
     calls: list[tuple[str, set[str]]] = []
-    real = payload_store._fsync_dir
+    real = payload_store.fsync_dir
 
     def record(path):  # type: ignore[no-untyped-def]
         calls.append((os.path.basename(path), set(os.listdir(path))))
         real(path)
 
-    monkeypatch.setattr(payload_store, "_fsync_dir", record)
+    monkeypatch.setattr(payload_store, "fsync_dir", record)
     return calls
 
 
@@ -70,14 +70,14 @@ def test_claim_checks_finished_together_share_a_directory_fsync(tmp_path, monkey
     them to one publishing batcher; no result comes back before its payload's rename was
     fsynced, and the payloads that wait meanwhile share the next fsync."""
     calls: list[set[str]] = []
-    real = payload_store._fsync_dir
+    real = payload_store.fsync_dir
 
     def slow(path):  # type: ignore[no-untyped-def]
         calls.append(set(os.listdir(path)))
         time.sleep(0.05)  # a journal commit, longer than staging the others takes
         real(path)
 
-    monkeypatch.setattr(payload_store, "_fsync_dir", slow)
+    monkeypatch.setattr(payload_store, "fsync_dir", slow)
     store = FileStore.of_run(tmp_path)
     settings = SimpleNamespace(group_size=4, vocab_size=100, use_dynamic_sampling=True, zero_variance_tolerance=0.0)
     engine = SimEngine(tokens_per_completion=16)
