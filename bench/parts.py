@@ -16,7 +16,7 @@ or a core. The wrappers cost about a microsecond a call (one per result for `dec
 Why it is here: cProfile weighs every Python call several times over, and it showed the small
 functions of the decisions (a row's attribute set, an enum's value) as the cost; timed whole, a
 batch's parts say instead that it waits on the server for its write about as long as it decides
-(bench/README.md, stop 48).
+(bench/HISTORY.md, stop 48).
 """
 
 from __future__ import annotations

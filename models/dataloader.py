@@ -47,7 +47,7 @@ def epoch_order(num_prompts: int, seed: int, epoch: int, shuffle: bool) -> Seque
     machine integers (indexing it gives an int, slicing it a view): a tuple of Python ints took
     about 40 bytes a prompt, and the 32 epochs this cache used to keep held 25 MiB for a data
     set of 20,000 prompts, the whole of `bench scale`'s memory growth over a million attempts
-    (bench/README.md, stop 42); a million prompts would have held 1.3 GB."""
+    (bench/HISTORY.md, stop 42); a million prompts would have held 1.3 GB."""
     kind = np.int32 if num_prompts < 2**31 else np.int64
     if not shuffle:
         return _read_only(np.arange(num_prompts, dtype=kind))

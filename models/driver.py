@@ -41,7 +41,7 @@ def rows(session: Session, statement: Executable, params: dict[str, Any]) -> lis
     execution of a built statement still costs 0.3 to 0.7 ms of Python each time (the execution
     context, parameters and result set up anew), about a tenth of a batch of results' own
     Python in `bench overhead` over the joint read, the run's lock and the relay's reads
-    (bench/README.md, stop 40). The session's transaction is the one it runs in; a session
+    (bench/HISTORY.md, stop 40). The session's transaction is the one it runs in; a session
     that autoflushes is flushed first, as `execute` would."""
     connection = _connection(session)
     dialect = connection.dialect
@@ -234,7 +234,7 @@ def _numbered(statement: str) -> tuple[bytes, tuple[str, ...]]:
 
     psycopg rewrites a statement's placeholders on every execution, and keeps the rewriting
     only for statements under 4 KB and 50 parameters: a batch's joint read (14 KB) was
-    rewritten each time, about half a millisecond (py-spy, bench/README.md stop 44). A
+    rewritten each time, about half a millisecond (py-spy, bench/HISTORY.md stop 44). A
     statement built once is rewritten once here."""
     numbers: dict[str, int] = {}
 
@@ -264,7 +264,7 @@ def insert_rows(executor: Session | Connection, table: Table, rows: list[dict[st
     planned and run by the server on its own: a fifth of the batch's time in `bench overhead`)
     and `INSERT ... SELECT FROM unnest(...)` as arrays that psycopg spells element by element
     in Python; COPY's rows are formatted in psycopg's C code and read by the server in one
-    pass (4.4 and 3.1 ms against 1.6 ms for 90 new attempts, bench/README.md; since stop 42
+    pass (4.4 and 3.1 ms against 1.6 ms for 90 new attempts, bench/HISTORY.md, stop 31; since stop 42
     `array_text` spells the arrays, and a batch's few rows go out as `unnest_insert` with its
     UPDATEs). The engine's `before_cursor_execute` and `after_cursor_execute` listeners see it
     as one executemany of `rows`; a driver error comes out as SQLAlchemy's, as from
@@ -479,7 +479,7 @@ def array_text(values: list[Any]) -> str | list[Any]:
 
 #: Up to how many new rows of a table `send_changes` inserts with an `INSERT ... SELECT FROM
 #: unnest` in the round trip of the UPDATEs (`unnest_insert`), not a COPY of their own:
-#: a batch of results makes a few dozen a table, a step's admission thousands (bench/README.md,
+#: a batch of results makes a few dozen a table, a step's admission thousands (bench/HISTORY.md,
 #: stop 42).
 PIPELINED_INSERT_ROWS = 256
 

@@ -283,7 +283,7 @@ def _batch() -> CTE:
     four reads of its joint read look at (the attempts, their slots, and two conditions of
     them). As one common table expression the joint read finds them once, not once per read
     (under the plans of a run's first steps, a sequential scan of the attempts each: 2 ms a
-    batch, bench/README.md, stop 44); a read run alone inlines it.
+    batch, bench/HISTORY.md, stop 44); a read run alone inlines it.
 
     `run_id + 0`: found by primary key, the run checked on the rows. A plain `run_id = x` lets
     the planner read the run's every attempt by the run_id index and filter them by id, which

@@ -115,7 +115,7 @@ class GenerationService:
 
         The calling thread hands the bundle to each batcher once and is woken once per
         stage, where a thread per attempt paid a hand-over and a wake-up per attempt and
-        stage (bench/README.md, stop 33)."""
+        stage (bench/HISTORY.md, stop 33)."""
         leases = self._lease(messages)
         outcomes: Counter[str] = Counter()
         by_run: dict[int, list[tuple[GenerateMessage, Lease]]] = {}

@@ -6,7 +6,7 @@ only index of unsent rows was by `available_at`, across every run: while Postgre
 had not yet seen a step's rows (a new run's first steps, any burst of admissions) it read every
 due row of every run, joined each to its run and sorted them to keep the first few: 6 ms a pass
 at 5,000 waiting rows, 55 ms at 50,000, against about 1 ms through this index, whatever the
-statistics say (bench/README.md, stop 33).
+statistics say (bench/HISTORY.md, stop 33).
 
 Revision ID: 0012
 Revises: 0011
