@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 
 import typer
 import yaml
-from rich.console import Console
+from rich.console import Console, RenderableType
 from rich.table import Table
 from rich.text import Text
 
@@ -35,6 +35,7 @@ __all__ = [
     "print_table",
     "print_yaml",
     "redact_url",
+    "show",
     "warn",
 ]
 
@@ -66,9 +67,9 @@ def print_table(
     *,
     title: str | None = None,
 ) -> None:
-    """A rich table on stdout. Rows are mappings (columns default to the first row's keys) or
-    sequences (then `columns` is required). None prints as an empty cell; numeric columns are
-    right-aligned."""
+    """A rich table on stdout (`show`). Rows are mappings (columns default to the first row's
+    keys) or sequences (then `columns` is required). None prints as an empty cell; numeric
+    columns are right-aligned."""
     rows = list(rows)
     if columns is None:
         if rows and not isinstance(rows[0], Mapping):
@@ -88,7 +89,17 @@ def print_table(
     for row in cells:
         # Text() keeps square brackets in values (slot ids, lists) from being read as markup.
         table.add_row(*(Text("" if v is None else _cell(v)) for v in row))
-    out_console.print(table)
+    show(table)
+
+
+def show(renderable: RenderableType) -> None:
+    """Print a table on stdout: at the terminal's width for people, at its natural width when
+    stdout is a pipe or a file (a log, `| less`): rich would otherwise cut every cell to fit 80
+    columns, and a run's log would keep `0.5…` where its rewards were."""
+    if out_console.is_terminal:
+        out_console.print(renderable)
+    else:
+        Console(soft_wrap=True, highlight=False, width=4096).print(renderable)
 
 
 def _cell(value: Any) -> str:

@@ -15,7 +15,15 @@ from typing import Annotated, Any
 
 import typer
 
-from refill.admin.console import err_console, note, out_console, print_json, print_yaml, warn
+from refill.admin.console import (
+    err_console,
+    note,
+    out_console,
+    print_json,
+    print_table,
+    print_yaml,
+    warn,
+)
 from refill.admin.inspect_common import (
     AsJson,
     DatabaseUrl,
@@ -25,7 +33,6 @@ from refill.admin.inspect_common import (
     first_line,
     jsonable,
     num,
-    print_table,
     read,
     when,
 )

@@ -1,6 +1,6 @@
 """What the commands that read the ledger share: the `--database-url`, `--json` and RUN
-arguments, one snapshot read with NotFound as a one-line error, and how they print tables,
-JSON and timestamps."""
+arguments, one snapshot read with NotFound as a one-line error, and how they print JSON and
+timestamps (tables: `refill.admin.console.print_table` and `show`)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,8 @@ from datetime import UTC, datetime
 from typing import Annotated, Any, TypeVar
 
 import typer
-from rich.console import Console, RenderableType
-from rich.table import Table
-from rich.text import Text
 
-from refill.admin.console import EXIT_BAD_INPUT, fail, out_console
+from refill.admin.console import EXIT_BAD_INPUT, fail
 
 T = TypeVar("T")
 
@@ -52,31 +49,6 @@ def read(database_url: str | None, question: Callable[[Any], T]) -> T:
             return question(session)
         except LookupError as error:
             fail(str(error.args[0] if error.args else error), EXIT_BAD_INPUT)
-
-
-def show(renderable: RenderableType) -> None:
-    """Print a table on stdout: at the terminal's width for people, at its natural width when
-    stdout is a pipe or a file (rich would otherwise cut every cell to fit 80 columns)."""
-    if out_console.is_terminal:
-        out_console.print(renderable)
-    else:
-        Console(soft_wrap=True, highlight=False, width=4096).print(renderable)
-
-
-def print_table(rows: list[Any], columns: list[str] | None = None, *, title: str | None = None) -> None:
-    """Rows (mappings, or sequences with `columns`) as a table; None prints as an empty cell,
-    numeric columns are right-aligned (as `refill.admin.console.print_table`)."""
-    if columns is None:
-        columns = list(rows[0].keys()) if rows else []
-    cells = [[row.get(c) for c in columns] if isinstance(row, dict) else list(row) for row in rows]
-    table = Table(title=title)
-    for i, column in enumerate(columns):
-        values = [r[i] for r in cells if r[i] is not None]
-        numeric = bool(values) and all(isinstance(v, int | float) and not isinstance(v, bool) for v in values)
-        table.add_column(column, justify="right" if numeric else "left")
-    for row in cells:
-        table.add_row(*(Text("" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)) for v in row))
-    show(table)
 
 
 def jsonable(value: Any) -> Any:

@@ -20,8 +20,8 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from refill.admin.console import EXIT_BAD_INPUT, fail, note, out_console, print_json
-from refill.admin.inspect_common import AsJson, DatabaseUrl, RunId, jsonable, read, show
+from refill.admin.console import EXIT_BAD_INPUT, fail, note, out_console, print_json, show
+from refill.admin.inspect_common import AsJson, DatabaseUrl, RunId, jsonable, read
 
 #: The plot's panels: (y label, metric names). Each metric's legend label is its name.
 PANELS: list[tuple[str, list[str]]] = [

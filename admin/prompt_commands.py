@@ -9,8 +9,8 @@ from typing import Annotated
 
 import typer
 
-from refill.admin.console import note, print_json
-from refill.admin.inspect_common import AsJson, DatabaseUrl, RunId, jsonable, print_table, read
+from refill.admin.console import note, print_json, print_table
+from refill.admin.inspect_common import AsJson, DatabaseUrl, RunId, jsonable, read
 
 
 def prompts(

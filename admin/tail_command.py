@@ -8,8 +8,16 @@ from typing import Annotated, Any
 
 import typer
 
-from refill.admin.console import EXIT_BAD_INPUT, EXIT_INVALID, err_console, fail, note, out_console
-from refill.admin.inspect_common import DatabaseUrl, RunId, ledger_for, show
+from refill.admin.console import (
+    EXIT_BAD_INPUT,
+    EXIT_INVALID,
+    err_console,
+    fail,
+    note,
+    out_console,
+    show,
+)
+from refill.admin.inspect_common import DatabaseUrl, RunId, ledger_for
 
 #: The newest steps' metrics each poll reads: far more than a poll interval can release, and
 #: the first poll's lines (as `tail` starts with the last lines of a file). Reading every step's,
