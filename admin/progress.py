@@ -80,10 +80,8 @@ class RunDisplay:
             self.live.__exit__(*exc)
 
     def update(self, snapshot: RunProgress, history: list[dict[str, Any]] | None = None) -> None:
-        for row in history or []:
+        for row in [*(history or []), *snapshot.recent_metrics]:
             self.rows[row["step"]] = row
-        if snapshot.last_metrics:
-            self.rows[snapshot.last_metrics["step"]] = snapshot.last_metrics
         filling = ", ".join(f"step {s.step}: {s.committed}/{s.target} {s.status}" for s in snapshot.open_steps[:3])
         self.progress.update(
             self.task,
@@ -94,6 +92,40 @@ class RunDisplay:
         if self.live is not None:
             recent = [self.rows[k] for k in sorted(self.rows)[-self.recent :]]
             self.live.update(Group(self.progress, metrics_table(recent)))
+
+
+class StepLines:
+    """A line per trained step, for a log (`refill run start` off a terminal, or `-q`), from
+    the controller's progress snapshots: each step once and in order, however many trained
+    between two snapshots."""
+
+    def __init__(self) -> None:
+        self.last: int | None = None  # the newest step given a line
+
+    def lines(self, snapshot: RunProgress) -> list[str]:
+        out: list[str] = []
+        for metrics in snapshot.recent_metrics:
+            step = metrics["step"]
+            if self.last is not None and step <= self.last:
+                continue
+            if self.last is not None and step > self.last + 1:
+                # More steps trained between two snapshots than one carries: say so, rather
+                # than leave a log that looks whole.
+                out.append(
+                    f"steps {self.last + 1}-{step - 1}: trained (`refill metrics {snapshot.run_id}` has their metrics)"
+                )
+            out.append(_step_line(metrics))
+            self.last = step
+        return out
+
+
+def _step_line(metrics: dict[str, Any]) -> str:
+    return (
+        f"step {metrics['step']}: reward {metrics.get('reward') or 0:.3f} "
+        f"(first-attempt {metrics.get('first_attempt_reward') or 0:.3f}, "
+        f"zero-var {metrics.get('zero_variance_fraction') or 0:.2f}, "
+        f"filtered {metrics.get('filtered_groups')}, fill {metrics.get('step_fill_seconds') or 0:.1f}s)"
+    )
 
 
 def write_metrics(rows: list[dict[str, Any]], run_dir: str) -> Path:

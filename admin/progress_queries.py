@@ -34,7 +34,18 @@ class RunProgress:
     weight_version: int
     spare_pool: int
     open_steps: list[StepProgress] = field(default_factory=list)
-    last_metrics: dict[str, Any] | None = None
+    #: the newest trained steps' metrics (at most RECENT_STEPS), in step order
+    recent_metrics: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def last_metrics(self) -> dict[str, Any] | None:
+        return self.recent_metrics[-1] if self.recent_metrics else None
+
+
+#: The trained steps whose metrics a progress snapshot carries: more than train between two of
+#: the controller's snapshots (half a second apart), so that a log of `refill run start` has a
+#: line for every step, not only for the newest one each snapshot saw.
+RECENT_STEPS = 16
 
 
 def run_progress(session: Session, run_id: int) -> RunProgress:
@@ -54,13 +65,13 @@ def run_progress(session: Session, run_id: int) -> RunProgress:
         StepProgress(s.step, s.status, s.committed, s.num_slots - s.shrunk)
         for s in session.execute(*sql.unfinished_steps(run_id))
     ]
-    last = session.scalars(
+    newest = session.scalars(
         select(StepMetrics)
         .join(Step, (Step.run_id == StepMetrics.run_id) & (Step.step == StepMetrics.step))
         .where(StepMetrics.run_id == run_id, Step.status == StepStatus.TRAINED.value)
         .order_by(StepMetrics.step.desc())
-        .limit(1)
-    ).first()
+        .limit(RECENT_STEPS)
+    ).all()
     return RunProgress(
         run_id=run.id,
         name=run.name,
@@ -72,7 +83,7 @@ def run_progress(session: Session, run_id: int) -> RunProgress:
         weight_version=run.weight_version,
         spare_pool=int(spare or 0),
         open_steps=open_steps,
-        last_metrics=metrics_dict(last) if last is not None else None,
+        recent_metrics=[metrics_dict(row) for row in reversed(newest)],
     )
 
 

@@ -23,6 +23,7 @@ from refill.admin.console import (
     note,
     out_console,
     redact_url,
+    show,
     warn,
 )
 
@@ -247,22 +248,14 @@ def _one_torch_thread_per_role() -> None:
         sys.modules["torch"].set_num_threads(int(threads))
 
 
-
 def _follow(controller: Any, *, quiet: bool) -> str:
-    from refill.admin.progress import RunDisplay
+    from refill.admin.progress import RunDisplay, StepLines
 
-    printed: set[int] = set()
+    steps = StepLines()
 
     def line(snapshot) -> None:  # type: ignore[no-untyped-def]
-        metrics = snapshot.last_metrics
-        if metrics and metrics["step"] not in printed:
-            printed.add(metrics["step"])
-            out_console.print(
-                f"step {metrics['step']}: reward {metrics.get('reward') or 0:.3f} "
-                f"(first-attempt {metrics.get('first_attempt_reward') or 0:.3f}, "
-                f"zero-var {metrics.get('zero_variance_fraction') or 0:.2f}, "
-                f"filtered {metrics.get('filtered_groups')}, fill {metrics.get('step_fill_seconds') or 0:.1f}s)"
-            )
+        for text in steps.lines(snapshot):
+            out_console.print(text, markup=False)
 
     try:
         if quiet or not err_console.is_terminal:
@@ -290,7 +283,7 @@ def _summary(ledger: Any, run_id: int, status: str) -> None:
     path = write_metrics(rows, run_dir)
     trained = [r for r in rows if r.get("reward") is not None]
     if trained:
-        out_console.print(metrics_table(trained[-10:], title=f"run {run_id}: last steps"))
+        show(metrics_table(trained[-10:], title=f"run {run_id}: last steps"))
         head = [r["reward"] for r in trained[:5]]
         tail = [r["reward"] for r in trained[-5:]]
         out_console.print(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +34,10 @@ def test_the_demo_learns_the_arithmetic_task(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "completed (max_num_steps)" in done.stdout
+    # Its log (stdout off a terminal) has a line for every step, in order, and the summary's
+    # table whole, not cut to 80 columns.
+    assert [int(m.group(1)) for m in re.finditer(r"^step (\d+): reward", done.stdout, re.M)] == list(range(24))
+    assert "…" not in done.stdout
     metrics = list(csv.DictReader((tmp_path / "runs" / "demo-1" / "metrics.csv").open()))
     rewards = [float(row["reward"]) for row in metrics]
     assert len(rewards) == 24

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from refill.admin import progress_queries
 from refill.admin.progress_queries import run_progress, step_metrics
 from tests.support.driver import Driver
 from tests.support.play import play
@@ -35,3 +36,18 @@ def test_progress_counts_the_trained_steps_as_admitted_less_unfinished(ledger) -
 
     play(d, after=lambda _: counted())
     assert seen[0] == 0 and seen[-1] == 4 and sorted(seen) == seen
+
+
+def test_a_progress_snapshot_carries_the_newest_trained_steps_metrics(ledger, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """What `refill run start` prints a line for each step from: the newest trained steps'
+    metrics in step order (RECENT_STEPS of them), not the newest step's alone."""
+    d = Driver(ledger, {"grpo": {"max_num_steps": 5}})
+    play(d)
+    with ledger.session() as session:
+        every = run_progress(session, d.run_id)
+        monkeypatch.setattr(progress_queries, "RECENT_STEPS", 3)
+        newest = run_progress(session, d.run_id)
+    assert [m["step"] for m in every.recent_metrics] == [0, 1, 2, 3, 4]
+    assert [m["step"] for m in newest.recent_metrics] == [2, 3, 4]
+    assert newest.last_metrics is not None and newest.last_metrics["step"] == 4
+    assert every.recent_metrics[-1] == newest.last_metrics

@@ -146,6 +146,15 @@ def test_print_table_with_sequence_rows(capsys: pytest.CaptureFixture[str]) -> N
         console.print_table([(1, "a")])
 
 
+def test_a_wide_table_piped_keeps_every_cell_whole(capsys: pytest.CaptureFixture[str]) -> None:
+    """Off a terminal (a log, `| less`) a table prints at its natural width: at rich's 80
+    columns these 14 would each be cut to a few characters and an ellipsis."""
+    console.print_table([{f"column_{i}": 1000.25 + i for i in range(14)}])
+    out = capsys.readouterr().out
+    assert "…" not in out
+    assert all(f"column_{i}" in out and f"{1000.25 + i:.4g}" in out for i in range(14))
+
+
 def test_print_json_is_plain_json(capsys: pytest.CaptureFixture[str]) -> None:
     console.print_json({"a": [1, "[b]"]})
     assert json.loads(capsys.readouterr().out) == {"a": [1, "[b]"]}
