@@ -114,17 +114,29 @@ class StepLines:
                 out.append(
                     f"steps {self.last + 1}-{step - 1}: trained (`refill metrics {snapshot.run_id}` has their metrics)"
                 )
-            out.append(_step_line(metrics))
+            out.append(step_line(metrics))
             self.last = step
         return out
 
 
-def _step_line(metrics: dict[str, Any]) -> str:
+def step_line(row: dict[str, Any]) -> str:
+    """One trained step's metrics on a line, for a log (`refill run start` and `refill tail` off
+    a terminal); a figure the step has not got prints as `-`."""
+
+    def f(key: str, digits: int = 3) -> str:
+        value = row.get(key)
+        return "-" if value is None else f"{value:.{digits}f}"
+
+    def count(key: str) -> str:
+        value = row.get(key)
+        return "-" if value is None else str(value)
+
     return (
-        f"step {metrics['step']}: reward {metrics.get('reward') or 0:.3f} "
-        f"(first-attempt {metrics.get('first_attempt_reward') or 0:.3f}, "
-        f"zero-var {metrics.get('zero_variance_fraction') or 0:.2f}, "
-        f"filtered {metrics.get('filtered_groups')}, fill {metrics.get('step_fill_seconds') or 0:.1f}s)"
+        f"step {row['step']}: reward {f('reward')} (unfiltered {f('unfiltered_reward')}, first-attempt "
+        f"{f('first_attempt_reward')}, zero-var {f('zero_variance_fraction', 2)}, filtered "
+        f"{count('filtered_groups')}, fill {f('step_fill_seconds', 2)}s, rollouts/group "
+        f"{f('rollouts_per_trained_group', 2)}, tokens/group {f('generated_tokens_per_trained_group', 0)}, "
+        f"skipped {count('skipped_prompts')})"
     )
 
 

@@ -42,9 +42,9 @@ class RunProgress:
         return self.recent_metrics[-1] if self.recent_metrics else None
 
 
-#: The trained steps whose metrics a progress snapshot carries: more than train between two of
-#: the controller's snapshots (half a second apart), so that a log of `refill run start` has a
-#: line for every step, not only for the newest one each snapshot saw.
+#: How many of the newest trained steps' metrics a progress snapshot carries: more steps than
+#: train between two of the controller's snapshots (half a second apart), so that a log of
+#: `refill run start` has a line for every step, not only for the newest each snapshot saw.
 RECENT_STEPS = 16
 
 

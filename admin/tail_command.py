@@ -35,6 +35,7 @@ def tail(
 
     The steps filling now and the metrics of each trained step (from the last 64). On a terminal it is the live display of `refill run start`; otherwise one line per change.
     Exit 0 when the run completes (or stops), 1 when it fails."""
+    from refill.admin.progress import step_line
     from refill.admin.progress_queries import RunProgress, run_progress, step_metrics
     from refill.admin.snapshot import read_snapshot
 
@@ -69,7 +70,7 @@ def tail(
                     for row in history:
                         if row.get("reward") is not None and row["step"] not in printed:
                             printed.add(row["step"])
-                            out_console.print(_step_line(row), markup=False)
+                            out_console.print(step_line(row), markup=False)
                     opened = ", ".join(f"step {s.step} {s.committed}/{s.target} {s.status}" for s in progress.open_steps)
                     if opened != last_open and not _ended(progress):
                         last_open = opened
@@ -95,20 +96,6 @@ def _ended(progress: Any) -> bool:
     from refill.admin.snapshot import FINISHED_RUN_STATES
 
     return progress.status in FINISHED_RUN_STATES
-
-
-def _step_line(row: dict[str, Any]) -> str:
-    def f(key: str, digits: int = 3) -> str:
-        value = row.get(key)
-        return "-" if value is None else f"{value:.{digits}f}"
-
-    return (
-        f"step {row['step']}: reward {f('reward')} (unfiltered {f('unfiltered_reward')}, first-attempt "
-        f"{f('first_attempt_reward')}, zero-var {f('zero_variance_fraction', 2)}, filtered "
-        f"{row.get('filtered_groups')}, fill {f('step_fill_seconds', 2)}s, rollouts/group "
-        f"{f('rollouts_per_trained_group', 2)}, tokens/group {f('generated_tokens_per_trained_group', 0)}, "
-        f"skipped {row.get('skipped_prompts')})"
-    )
 
 
 def _print_progress(progress: Any, history: list[dict[str, Any]]) -> None:
