@@ -82,6 +82,9 @@ class RunDisplay:
     def update(self, snapshot: RunProgress, history: list[dict[str, Any]] | None = None) -> None:
         for row in [*(history or []), *snapshot.recent_metrics]:
             self.rows[row["step"]] = row
+        # The table shows the newest `recent` steps: a long run's older rows need not stay.
+        for step in sorted(self.rows)[: -self.recent]:
+            del self.rows[step]
         filling = ", ".join(f"step {s.step}: {s.committed}/{s.target} {s.status}" for s in snapshot.open_steps[:3])
         self.progress.update(
             self.task,
@@ -90,8 +93,7 @@ class RunDisplay:
             detail=filling or snapshot.status,
         )
         if self.live is not None:
-            recent = [self.rows[k] for k in sorted(self.rows)[-self.recent :]]
-            self.live.update(Group(self.progress, metrics_table(recent)))
+            self.live.update(Group(self.progress, metrics_table([self.rows[k] for k in sorted(self.rows)])))
 
 
 class StepLines:

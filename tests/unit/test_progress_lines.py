@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from refill.admin.progress import StepLines
+from rich.console import Console
+
+from refill.admin.progress import RunDisplay, StepLines
 from refill.admin.progress_queries import RunProgress
 
 
@@ -53,3 +55,10 @@ def test_more_steps_between_snapshots_than_one_carries_are_said_not_skipped() ->
 
 def test_a_resumed_run_starts_with_the_lines_of_its_newest_steps() -> None:
     assert steps_of(StepLines().lines(snapshot(40, 41))) == ["step 40", "step 41"]
+
+
+def test_the_live_display_keeps_the_newest_steps_rows_only() -> None:
+    display = RunDisplay(Console(), recent=4, enabled=False)
+    display.update(snapshot(0, 1, 2))
+    display.update(snapshot(*range(3, 19)))
+    assert sorted(display.rows) == [15, 16, 17, 18]
