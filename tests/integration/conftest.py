@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 
 import pytest
@@ -111,5 +110,3 @@ def ledger_stays_consistent() -> Iterator[None]:
         if d.check:
             with d.ledger.session() as session:
                 assert_ledger_consistent(session, d.run_id)
-    for d in drivers:
-        shutil.rmtree(d.output_dir)

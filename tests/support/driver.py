@@ -85,6 +85,9 @@ FLAT = [1.0, 1.0, 1.0, 1.0]
 
 #: Drivers created in the current test (cleared by the integration conftest).
 DRIVERS: list[Driver] = []
+#: The run directories Drivers made and nobody has removed yet: each test's go with it
+#: (tests/conftest.py), wherever it runs; a Driver outside pytest (`bench scale`) leaves its own.
+OUTPUT_DIRS: list[str] = []
 
 
 def merged(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
@@ -123,6 +126,7 @@ class Driver:
         #: the run's directory parent (claim-check payloads land under it): one per driver, since
         #: every SQLite ledger's first run is run 1 and tests run side by side under `-n`
         self.output_dir = tempfile.mkdtemp(prefix="refill-test-runs-")
+        OUTPUT_DIRS.append(self.output_dir)
 
         def create(session):  # type: ignore[no-untyped-def]
             run = create_run(
