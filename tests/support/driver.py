@@ -85,8 +85,8 @@ FLAT = [1.0, 1.0, 1.0, 1.0]
 
 #: Drivers created in the current test (cleared by the integration conftest).
 DRIVERS: list[Driver] = []
-#: The run directories Drivers made and nobody has removed yet: each test's go with it
-#: (tests/conftest.py), wherever it runs; a Driver outside pytest (`bench scale`) leaves its own.
+#: The run directories Drivers made that are not removed yet: each test's go when it ends
+#: (tests/conftest.py), in whichever suite it runs.
 OUTPUT_DIRS: list[str] = []
 
 
