@@ -37,10 +37,6 @@ class RunProgress:
     #: the newest trained steps' metrics (at most RECENT_STEPS), in step order
     recent_metrics: list[dict[str, Any]] = field(default_factory=list)
 
-    @property
-    def last_metrics(self) -> dict[str, Any] | None:
-        return self.recent_metrics[-1] if self.recent_metrics else None
-
 
 #: How many of the newest trained steps' metrics a progress snapshot carries: more steps than
 #: train between two of the controller's snapshots (half a second apart), so that a log of

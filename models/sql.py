@@ -415,9 +415,8 @@ def _hand_over(steps: int) -> Update:
 def hand_over(run_id: int, keys: Iterable[tuple[int, int]], made: Iterable[int]) -> Query:
     """The live attempts aimed at the slots at `keys` serve their steps as extras: an UPDATE by
     slot, for attempts a batch has not read (`RunContext.hand_over`), its rows locked first in
-    id order (`attempts_locked_by_id`). Not the attempts `made`
-    by the transaction: a slot handed over may open again (its group lent) and take a new
-    attempt before the write."""
+    id order (`attempts_locked_by_id`). Not the attempts `made` by the transaction: a slot
+    handed over may open again (its group lent) and take a new attempt before the write."""
     steps, params = _slot_key_params(keys, "handed")
     return Query(_hand_over(steps), {"handed_run": run_id, "handed_made": list(made), **params})
 

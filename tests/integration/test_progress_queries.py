@@ -49,5 +49,5 @@ def test_a_progress_snapshot_carries_the_newest_trained_steps_metrics(ledger, mo
         newest = run_progress(session, d.run_id)
     assert [m["step"] for m in every.recent_metrics] == [0, 1, 2, 3, 4]
     assert [m["step"] for m in newest.recent_metrics] == [2, 3, 4]
-    assert newest.last_metrics is not None and newest.last_metrics["step"] == 4
-    assert every.recent_metrics[-1] == newest.last_metrics
+    assert newest.recent_metrics and newest.recent_metrics[-1]["step"] == 4
+    assert every.recent_metrics[-1] == newest.recent_metrics[-1]
