@@ -104,6 +104,10 @@ def show(renderable: RenderableType) -> None:
 
 def _cell(value: Any) -> str:
     if isinstance(value, float):
+        # Four significant figures, but never an exponent for a figure people count in
+        # (a run's 12,345 seconds, a step's tokens): `.4g` would print 1.234e+04.
+        if 1e4 <= abs(value) < 1e15:
+            return f"{value:.0f}"
         return f"{value:.4g}"
     return str(value)
 

@@ -155,6 +155,13 @@ def test_a_wide_table_piped_keeps_every_cell_whole(capsys: pytest.CaptureFixture
     assert all(f"column_{i}" in out and f"{1000.25 + i:.4g}" in out for i in range(14))
 
 
+def test_a_large_float_prints_without_an_exponent(capsys: pytest.CaptureFixture[str]) -> None:
+    console.print_table([{"seconds": 12345.6, "loss": 0.000123456, "reward": 0.5}])
+    out = capsys.readouterr().out
+    assert "12346" in out and "e+" not in out
+    assert "0.0001235" in out and "0.5" in out
+
+
 def test_print_json_is_plain_json(capsys: pytest.CaptureFixture[str]) -> None:
     console.print_json({"a": [1, "[b]"]})
     assert json.loads(capsys.readouterr().out) == {"a": [1, "[b]"]}
