@@ -16,14 +16,14 @@ import logging
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import Select, func, or_, select, text
 from sqlalchemy.orm import Session
 
 from refill.admin.console import redact_url
-from refill.models.context import utcnow
+from refill.models.clock import ledger_now
 from refill.models.db import Ledger
 from refill.models.tables import Attempt, RejectedResult, Run, RunStatus, Slot, StepMetrics
 from refill.tasks.queues import QUEUES
@@ -42,8 +42,8 @@ LIVE_ATTEMPT = text("attempts.state IN ('pending', 'queued', 'running')")
 # --- the statements (tests/acceptance/test_exporter.py checks their plans) ---------------------
 
 
-def runs_query(recent_minutes: float) -> Select[Any]:
-    since = utcnow() - timedelta(minutes=recent_minutes)
+def runs_query(since: datetime) -> Select[Any]:
+    """The runs running and those that ended at `since` or after (the ledger's clock)."""
     return select(
         Run.id, Run.name, Run.status, Run.spare_prompts_available, Run.scored_groups,
         Run.zero_variance_groups, Run.weight_version,
@@ -98,12 +98,15 @@ def read_ledger(ledger: Ledger, recent_minutes: float) -> tuple[list[RunState], 
 
 
 def _read_ledger(session: Session, recent_minutes: float) -> tuple[list[RunState], dict[tuple[int, str], int]]:
+    # On the ledger's clock, which wrote `finished_at`: an exporter on a host whose clock is
+    # off would otherwise drop a run that just ended, or keep one that ended hours ago.
+    since = ledger_now(session) - timedelta(minutes=recent_minutes)
     runs = {
         row.id: RunState(
             row.id, row.name, row.status, int(row.spare_prompts_available or 0), int(row.scored_groups or 0),
             int(row.zero_variance_groups or 0), int(row.weight_version or 0),
         )
-        for row in session.execute(runs_query(recent_minutes))
+        for row in session.execute(runs_query(since))
     }
     ids = list(runs)
     rejected: dict[tuple[int, str], int] = {}
