@@ -5,7 +5,7 @@ running runs share the fleet (each run's share and attempts in flight).
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import func, select
@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session
 
 from refill.admin.snapshot import count_by, get_run
 from refill.config import ConfigError, from_snapshot
+from refill.models.clock import ledger_now
 from refill.models.tables import Attempt, AttemptState, Run, RunStatus, Step, StepStatus
 
 
@@ -25,7 +26,7 @@ def worker_rows(
     trainers holding a step. Workers silent for longer than `since_seconds` are left out."""
     from refill.models.settings import LedgerSettings
 
-    now = now or datetime.now(UTC)
+    now = now or ledger_now(session)
     since = now - timedelta(seconds=since_seconds)
     if run_id is not None:
         get_run(session, run_id)

@@ -10,7 +10,6 @@ one `error:` line and exit 2. The questions themselves live in `refill.admin.*_q
 from __future__ import annotations
 
 import enum
-from datetime import UTC, datetime
 from typing import Annotated, Any
 
 import typer
@@ -244,9 +243,13 @@ def slots(
     `--status open` lists the slots a step is waiting on; without --step, the slots of every
     step not yet trained."""
     from refill.admin.slot_queries import slot_rows
+    from refill.models.clock import ledger_now
 
-    rows = read(
-        database_url, lambda s: slot_rows(s, run_id, step=step, status=status.value if status else None)
+    # `since` is on the ledger's clock, which wrote the attempts' times: an operator's machine
+    # whose clock is off would otherwise show every attempt minutes older or younger.
+    rows, now = read(
+        database_url,
+        lambda s: (slot_rows(s, run_id, step=step, status=status.value if status else None), ledger_now(s)),
     )
     if as_json:
         print_json(jsonable(rows))
@@ -255,7 +258,6 @@ def slots(
         where = f"step {step}" if step is not None else "the steps not yet trained"
         note(f"run {run_id}: no {status.value + ' ' if status else ''}slots in {where}")
         return
-    now = datetime.now(UTC)
     print_table(
         [
             {
@@ -454,16 +456,14 @@ def workers(
     fleet it is entitled to among the running runs, its attempts running and queued, and the
     part of the fleet's running attempts it holds now."""
     from refill.admin.fleet_queries import fleet_shares, queue_counts, worker_rows
+    from refill.models.clock import ledger_now
 
-    now = datetime.now(UTC)
-    rows, waiting, shares = read(
-        database_url,
-        lambda s: (
-            worker_rows(s, run_id=run, since_seconds=since, now=now),
-            queue_counts(s, run_id=run),
-            fleet_shares(s, run_id=run),
-        ),
-    )
+    def question(s):  # type: ignore[no-untyped-def]
+        # Heartbeats and leases on the ledger's clock, which wrote them (not this machine's).
+        now = ledger_now(s)
+        return now, worker_rows(s, run_id=run, since_seconds=since, now=now), queue_counts(s, run_id=run), fleet_shares(s, run_id=run)
+
+    now, rows, waiting, shares = read(database_url, question)
     if as_json:
         print_json(jsonable({"now": now, "workers": rows, "waiting": waiting, "runs": shares}))
         return

@@ -10,7 +10,6 @@ import sys
 import threading
 import time
 import urllib.request
-from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -18,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import text
 
 from refill.admin import exporter
+from refill.models.clock import utcnow
 from refill.models.db import Ledger
 from refill.models.tables import RejectedResult, Run
 from refill.tasks.queues import QUEUES
@@ -99,7 +99,7 @@ def test_the_exporter_serves_a_running_fleets_metrics(running_fleet, fleet_ledge
         # A rejected result, as the consumer records a duplicate.
         fleet_ledger.transaction(lambda s: s.add(RejectedResult(
             run_id=run_id, attempt_id=1, reason="duplicate", worker="test", detail="again",
-            received_at=datetime.now(UTC),
+            received_at=utcnow(),
         )))
         after = scrape(port)
     finally:

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import re
 import time
-from datetime import UTC, datetime
+from datetime import datetime
 
 import pytest
 from sqlalchemy import select
 
+from refill.models.clock import utcnow
 from refill.models.tables import (
     Attempt,
     AttemptReason,
@@ -64,7 +65,7 @@ def test_sigkill_a_generation_worker_mid_task(fleet, fault_ledger) -> None:
         # their result yet: the kill lands in the middle of their generation.
         if session.scalar(select(Run.weight_version).where(Run.id == run_id)) < 2:
             return False
-        now = datetime.now(UTC)
+        now = utcnow()
         fresh[:] = [a for a, started in running_on_victim(session) if (now - started).total_seconds() < latency / 3]
         return len(fresh) >= 2
 

@@ -5,13 +5,14 @@ its errors, the session's transaction and autoflush)."""
 from __future__ import annotations
 
 import json
-from datetime import UTC, datetime
+from datetime import datetime
 
 import pytest
 from sqlalchemy import bindparam, event, func, literal_column, select, text, update
 from sqlalchemy.exc import DBAPIError
 
 from refill.models import driver
+from refill.models.clock import utcnow
 from refill.models.column_types import json_text, read_json
 from refill.models.db import lock_run
 from refill.models.sql import ids_param, literal, literal_in
@@ -123,7 +124,7 @@ def test_a_read_on_the_driver_runs_in_the_sessions_transaction(pg_ledger) -> Non
         other.execute(text("SET LOCAL lock_timeout = '100ms'"))
         with pytest.raises(DBAPIError, match="lock timeout"):
             lock_run(other, d.run_id)
-    assert datetime.now(UTC) > found["refill_now"]
+    assert utcnow() > found["refill_now"]
 
 
 _NOTE = update(_attempts).where(ids_param(_attempts.c.id, "ids")).values(error=bindparam("note"))
@@ -225,7 +226,7 @@ def test_json_values_are_stored_and_read_alike_on_every_path(ledger) -> None:  #
     stored = {"big": 2**70 + 1, "3": "an int key", "text": "na\u00efve \u2603", "nested": [1.5, None, True, -0.0]}
     d = Driver(ledger, check=False)  # an outbox row written by hand
     d.admit()
-    now = datetime.now(UTC)
+    now = utcnow()
     with ledger.session() as session:
         row = {"id": 10**9, "run_id": d.run_id, "kind": "train_step", "payload": payload, "created_at": now, "available_at": now, "sent_at": now}
         driver.insert_rows(session, _outbox, [row])

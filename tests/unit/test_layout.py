@@ -1,7 +1,8 @@
 """The house rules of the design card's layout, checked on the source tree: no import circles
 (imports inside functions included: a lazy import that dodges a circle is still one; imports
 for type checking only are not imports), no product
-module over 600 lines, and no bare import of a folder that installs as refill.<name>."""
+module over 600 lines, no bare import of a folder that installs as refill.<name>, and no
+`datetime.now` outside refill.models.clock (ruff's banned APIs, pyproject.toml)."""
 
 from __future__ import annotations
 
