@@ -33,6 +33,7 @@ app = typer.Typer(
     help="GRPO with DAPO-style dynamic sampling on a Celery fleet, with PostgreSQL as the run ledger.",
     no_args_is_help=True,
     add_completion=False,
+    rich_markup_mode="markdown",
     # Locals in a traceback would print database URLs with their passwords.
     pretty_exceptions_show_locals=False,
 )

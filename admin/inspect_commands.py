@@ -371,8 +371,8 @@ def budget(
 
     The dynamic-sampling (filter) and fault-tolerance (drop) budgets of each slot, used and
     left; budget_exhaustion_risk is the probability that some slot of the run exhausts its
-    filter budget, 1 - (1 - p**(budget+1))**(N * max_num_steps); the expected number of
-    exhausted slots is p**(budget+1) * N * max_num_steps."""
+    filter budget, `1 - (1 - p**(budget+1))**(N * max_num_steps)`; the expected number of
+    exhausted slots is `p**(budget+1) * N * max_num_steps`."""
     from refill.admin.budget_queries import budget_report
 
     b = read(database_url, lambda s: budget_report(s, run_id, step=step, every_slot=every_slot))

@@ -169,3 +169,17 @@ def test_print_json_is_plain_json(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_console_reexports_redact_url() -> None:
     assert console.redact_url("redis://:pw@h:6379/0") == "redis://:***@h:6379/0"
+
+
+def test_help_reflows_each_docstring_instead_of_keeping_its_source_line_breaks() -> None:
+    """A command's docstring is wrapped at 96 columns in the source; its help reads as prose at the
+    terminal's width, not broken where the source line ended (rich markup keeps single newlines;
+    Markdown, the CLI's markup, joins them)."""
+    listing = runner.invoke(app, ["--help"], env={"COLUMNS": "200"}, terminal_width=200)
+    assert listing.exit_code == 0
+    assert "last heartbeat per worker, and how the running runs share it." in listing.output
+    detail = runner.invoke(app, ["budget", "--help"], env={"COLUMNS": "200"}, terminal_width=200)
+    assert detail.exit_code == 0
+    # `**` in a formula is kept (as code), not taken for bold.
+    prose = " ".join(detail.output.split())
+    assert "1 - (1 - p**(budget+1))**(N * max_num_steps)" in prose and "is p**(budget+1) * N * max_num_steps" in prose
