@@ -106,7 +106,7 @@ def _cell(value: Any) -> str:
     if isinstance(value, float):
         # Four significant figures, but never an exponent for a figure people count in
         # (a run's 12,345 seconds, a step's tokens): `.4g` would print 1.234e+04.
-        if 1e4 <= abs(value) < 1e15:
+        if 9999.5 <= abs(value) < 1e15:  # from where .4g would round up to 1e+04
             return f"{value:.0f}"
         return f"{value:.4g}"
     return str(value)

@@ -156,9 +156,9 @@ def test_a_wide_table_piped_keeps_every_cell_whole(capsys: pytest.CaptureFixture
 
 
 def test_a_large_float_prints_without_an_exponent(capsys: pytest.CaptureFixture[str]) -> None:
-    console.print_table([{"seconds": 12345.6, "loss": 0.000123456, "reward": 0.5}])
+    console.print_table([{"seconds": 12345.6, "loss": 0.000123456, "reward": 0.5, "tokens": 9999.7}])
     out = capsys.readouterr().out
-    assert "12346" in out and "e+" not in out
+    assert "12346" in out and "10000" in out and "e+" not in out
     assert "0.0001235" in out and "0.5" in out
 
 
