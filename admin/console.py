@@ -69,7 +69,7 @@ def print_table(
 ) -> None:
     """A rich table on stdout (`show`). Rows are mappings (columns default to the first row's
     keys) or sequences (then `columns` is required). None prints as an empty cell; numeric
-    columns are right-aligned."""
+    columns (numbers, or numbers formatted as text) are right-aligned."""
     rows = list(rows)
     if columns is None:
         if rows and not isinstance(rows[0], Mapping):
@@ -82,9 +82,7 @@ def print_table(
     table = Table(title=title, show_lines=False)
     for i, column in enumerate(columns):
         values = [r[i] for r in cells if i < len(r) and r[i] is not None]
-        numeric = bool(values) and all(
-            isinstance(v, int | float) and not isinstance(v, bool) for v in values
-        )
+        numeric = bool(values) and all(_is_number(v) for v in values)
         table.add_column(column, justify="right" if numeric else "left")
     for row in cells:
         # Text() keeps square brackets in values (slot ids, lists) from being read as markup.
@@ -100,6 +98,21 @@ def show(renderable: RenderableType) -> None:
         out_console.print(renderable)
     else:
         Console(soft_wrap=True, highlight=False, width=4096).print(renderable)
+
+
+def _is_number(value: Any) -> bool:
+    """A number, or a number already formatted (`num`'s fixed decimals): right-aligned."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int | float):
+        return True
+    if isinstance(value, str):
+        try:
+            float(value)
+        except ValueError:
+            return False
+        return True
+    return False
 
 
 def _cell(value: Any) -> str:

@@ -94,7 +94,7 @@ def runs(
                 "share": "?" if r["share"] is None else f"{r['share']:g}",
                 "in flight": _in_flight(r) or None,
                 "created (UTC)": when(r["created_at"]),
-                "seconds": None if r["seconds"] is None else round(r["seconds"], 1),
+                "seconds": num(r["seconds"], 1),
             }
             for r in rows
         ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -160,6 +161,15 @@ def test_a_large_float_prints_without_an_exponent(capsys: pytest.CaptureFixture[
     out = capsys.readouterr().out
     assert "12346" in out and "10000" in out and "e+" not in out
     assert "0.0001235" in out and "0.5" in out
+
+
+def test_numbers_formatted_as_text_are_right_aligned(capsys: pytest.CaptureFixture[str]) -> None:
+    """`num` formats a figure to fixed decimals (a run's seconds `49.0` and `11.4`, a step's fill
+    time): its column aligns on the right as a number's does; a column of words stays left."""
+    console.print_table([{"seconds": "49.0", "steps": "3/10"}, {"seconds": "1234.5", "steps": "10/10"}])
+    lines = capsys.readouterr().out.splitlines()
+    row = next(line for line in lines if "49.0" in line)
+    assert re.search(r"│ {2,}49\.0 │ 3/10 +│", row), row
 
 
 def test_print_json_is_plain_json(capsys: pytest.CaptureFixture[str]) -> None:
