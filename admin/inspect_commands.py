@@ -245,8 +245,8 @@ def slots(
     from refill.admin.slot_queries import slot_rows
     from refill.models.clock import ledger_now
 
-    # `since` is on the ledger's clock, which wrote the attempts' times: an operator's machine
-    # whose clock is off would otherwise show every attempt minutes older or younger.
+    # An attempt's age ("since") on the ledger's clock, which wrote its start: an operator's
+    # machine whose clock is off would otherwise show every attempt minutes older or younger.
     rows, now = read(
         database_url,
         lambda s: (slot_rows(s, run_id, step=step, status=status.value if status else None), ledger_now(s)),
@@ -461,7 +461,12 @@ def workers(
     def question(s):  # type: ignore[no-untyped-def]
         # Heartbeats and leases on the ledger's clock, which wrote them (not this machine's).
         now = ledger_now(s)
-        return now, worker_rows(s, run_id=run, since_seconds=since, now=now), queue_counts(s, run_id=run), fleet_shares(s, run_id=run)
+        return (
+            now,
+            worker_rows(s, run_id=run, since_seconds=since, now=now),
+            queue_counts(s, run_id=run),
+            fleet_shares(s, run_id=run),
+        )
 
     now, rows, waiting, shares = read(database_url, question)
     if as_json:

@@ -13,6 +13,7 @@ from refill.admin import exporter
 from refill.admin.fleet_queries import worker_rows
 from refill.models.clock import set_clock_offset
 from refill.models.leases import start_attempt
+from refill.models.results import record_results
 from tests.support.driver import Driver
 
 
@@ -43,10 +44,14 @@ def test_recently_ended_runs_are_judged_on_the_ledgers_clock(pg_ledger, an_hour_
 def test_leases_and_recent_work_are_judged_on_the_ledgers_clock(pg_ledger, an_hour_fast) -> None:  # type: ignore[no-untyped-def]
     d = Driver(pg_ledger)
     d.admit()
-    ids = sorted(a.id for a in d.live())[:2]
+    ids = sorted(a.id for a in d.live())[:3]
     for attempt_id in ids:
         # No `now`: the lease runs from the database's clock, as a worker's does.
         assert pg_ledger.transaction(lambda s, a=attempt_id: start_attempt(s, a, "gpu-1")) is not None
+    # One finishes, recorded at the database's time, as the consumer records it.
+    done = d.result(ids[0], [1.0, 0.0, 1.0, 0.0], worker="gpu-1")
+    pg_ledger.transaction(lambda s: record_results(s, [done]))
     rows = pg_ledger.transaction(lambda s: worker_rows(s, run_id=d.run_id, since_seconds=600))
     (row,) = [r for r in rows if r["worker"] == "gpu-1"]
     assert row["in_flight"] == 2 and row["expired_leases"] == 0
+    assert row["finished_recently"] == 1
