@@ -15,7 +15,7 @@ from refill.tasks.workers import ROLES
 
 def worker(
     role: Annotated[str, typer.Argument(help="generate | consume | train | control")],
-    concurrency: Annotated[int | None, typer.Option(help="Threads (default depends on the role).")] = None,
+    concurrency: Annotated[int | None, typer.Option(help="Threads (default depends on the role).", min=1)] = None,
     hostname: Annotated[str | None, typer.Option(help="Celery node name (default ROLE@host).")] = None,
     loglevel: Annotated[str, typer.Option(help="Celery log level.")] = "INFO",
     events: Annotated[

@@ -36,3 +36,19 @@ def test_a_fleet_worker_sets_its_garbage_collector_before_it_starts(monkeypatch)
     assert seen["threshold"] == GC_THRESHOLD
     assert isinstance(seen["frozen"], int) and seen["frozen"] > 1000
     assert "--queues" in seen["argv"]  # type: ignore[operator]
+
+
+def test_a_worker_refuses_a_concurrency_below_one(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """`--concurrency 0` took the role's default without a word (`0 or default`), and a negative
+    one went to Celery as it was: both are refused before anything starts."""
+    from refill.tasks.app import app
+
+    started: list[list[str]] = []
+    monkeypatch.setattr(app, "worker_main", started.append)
+    for bad in ("0", "-3"):
+        result = CliRunner().invoke(
+            cli_app, ["worker", "generate", "--concurrency", bad], env={"REFILL_BROKER_URL": "redis://127.0.0.1:6379/15"}
+        )
+        assert result.exit_code == 2, result.output
+        assert "--concurrency" in result.output and "greater than or equal to" in " ".join(result.output.split())
+    assert started == []
