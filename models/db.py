@@ -189,6 +189,10 @@ class Ledger:
     fn does is therefore either applied once or not at all.
     """
 
+    #: The longest pause between two tries of a transaction: the pause doubles from 50 ms up to
+    #: it, each drawn between the delay and twice it (a fleet process's is shorter: PatientLedger).
+    max_retry_delay = 2.0
+
     def __init__(self, url: str, *, engine: Engine | None = None, application_name: str | None = None) -> None:
         self.url = url
         self.engine = engine or make_engine(url, application_name=application_name)
@@ -223,7 +227,7 @@ class Ledger:
                     attempts,
                 )
                 time.sleep(delay * (1 + random.random()))
-                delay = min(delay * 2, 2.0)
+                delay = min(delay * 2, self.max_retry_delay)
         raise AssertionError("unreachable")
 
     def dispose(self) -> None:

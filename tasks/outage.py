@@ -54,6 +54,11 @@ class PatientLedger(Ledger):
     is run again once it is back, for up to OUTAGE_PATIENCE_SECONDS."""
 
     patience_seconds = OUTAGE_PATIENCE_SECONDS
+    #: Tries every half second at most, from the first failure: a lease is judged a whole lease
+    #: after the database's return (refill.models.leases.expire_leases), so a worker must renew
+    #: within less than that; the unit of work's own pauses grew to 4 s, and a worker asleep in
+    #: one when the database came back lost its 3 s leases (the fault suite's PostgreSQL restart).
+    max_retry_delay = RETRY_SECONDS / 2
 
     def transaction(self, fn: Callable[..., T], *, attempts: int = 8, what: str = "ledger write") -> T:
         down_since: float | None = None

@@ -10,6 +10,7 @@ down, so the reaper gives each holder a whole lease after its return (models/lea
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -17,7 +18,7 @@ from sqlalchemy import select, text
 from sqlalchemy.exc import OperationalError
 
 from refill.models.tables import Attempt
-from refill.tasks.outage import PatientLedger, is_outage
+from refill.tasks.outage import RETRY_SECONDS, PatientLedger, is_outage
 from tests.support.chaos_fleet import (
     FAULT_RUN,
     assert_nothing_lost,
@@ -84,3 +85,29 @@ def test_a_fleet_process_waits_for_an_unreachable_database() -> None:
     assert time.monotonic() - started >= 1.5
     assert is_outage(refused.value)
     assert not is_outage(ValueError("not a database error"))
+
+
+def test_a_fleet_process_tries_again_at_least_every_half_second(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """While the database is unreachable, a fleet process's transaction pauses at most
+    RETRY_SECONDS between tries, from the first failure on. A lease is judged a whole lease after
+    the database's return (models/leases.py), so a live worker must renew it sooner: in the unit
+    of work's own backoff the pauses grew to 4 s, and a worker asleep in one when PostgreSQL came
+    back lost its 3 s leases (test_restart_postgresql_mid_run, once in a CI run)."""
+    pauses: list[float] = []
+    sleep, caller = time.sleep, threading.get_ident()
+
+    def recorded(seconds: float) -> None:
+        if threading.get_ident() == caller:
+            pauses.append(seconds)
+        sleep(seconds)
+
+    monkeypatch.setattr(time, "sleep", recorded)
+    ledger = PatientLedger(f"postgresql+psycopg://postgres@{HOST}:{free_port()}/refill")
+    ledger.patience_seconds = 3.0
+    try:
+        with pytest.raises(OperationalError):
+            ledger.transaction(lambda s: s.execute(text("SELECT 1")))
+    finally:
+        ledger.dispose()
+    assert len(pauses) >= 7  # the unit of work's tries, then the patient ones
+    assert max(pauses) <= RETRY_SECONDS, pauses
