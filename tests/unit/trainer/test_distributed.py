@@ -8,6 +8,7 @@ The ranks are real processes started by the launcher `refill worker train --npro
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,14 @@ def _rank_main(config_path: str, run_dir: str, out: str) -> None:
     if world.leader:
         torch.save({"metrics": metrics, "straight": straight, "resumed": again}, out)
     world.close()
+    # Then end at once, without the interpreter's finalization: gloo's worker threads can still
+    # hold work whose tensors, freed while the interpreter is torn down (the FSDP models keep
+    # the process groups alive until then), abort the process ("terminate called without an
+    # active exception", status 134: once in a CI run, after World.close's barrier was added).
+    # Everything this rank had to say is in its output file or flushed below.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _run_ranks(tmp_path: Path, config: RunConfig) -> dict[str, Any]:
@@ -108,8 +117,6 @@ def _run_ranks(tmp_path: Path, config: RunConfig) -> dict[str, Any]:
 
 
 def _environ() -> dict[str, str]:
-    import os
-
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     return env
