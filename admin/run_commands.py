@@ -187,15 +187,9 @@ def _drive(
         if embedded:
             if detach:
                 fail("--detach needs a fleet (REFILL_BROKER_URL); an embedded run lives in this process", EXIT_BAD_INPUT)
-            from refill.tasks.embedded import embedded_fleet
+            from refill.tasks.embedded import embedded_fleet, fleet_options
 
-            runtime = stack.enter_context(
-                embedded_fleet(
-                    ledger.url,
-                    generate_concurrency=config.generation.groups_in_flight,
-                    consume_concurrency=config.infra.consumer_batch_size,
-                )
-            )
+            runtime = stack.enter_context(embedded_fleet(ledger.url, **fleet_options(config)))
             ledger, app = runtime.ledger, runtime.app
         else:
             app = make_app(broker_url)

@@ -47,6 +47,10 @@ class ResultConsumer:
         max_batch: int = 256,
         max_wait_ms: float = 20.0,
     ) -> None:
+        """A batch records at most `max_batch` results, gathered for at most `max_wait_ms` after
+        the first. A fleet's consumer serves every run, so these defaults are its, not a run's
+        config's; its threads (`refill worker consume --concurrency`) bound the messages a batch
+        can gather (each a result or a worker's bundle of them)."""
         self.ledger = ledger
         # The outbox rows a batch wrote are relayed by a thread of their own, so publishing
         # them overlaps the next batch instead of delaying it (they are in the ledger: a relay

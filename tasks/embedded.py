@@ -12,6 +12,7 @@ import logging
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from celery import Celery
 from celery.worker import WorkController
@@ -36,24 +37,48 @@ class _ThreadWorker(WorkController):
         self.ready.set()
 
 
+def fleet_options(config: Any) -> dict[str, Any]:
+    """`embedded_fleet`'s sizes for a run's config (a `RunConfig`): the generate threads, and
+    the consumer's group commit (`infra.consumer_batch_size`, `infra.consumer_batch_wait_ms`)."""
+    return {
+        "generate_concurrency": config.generation.groups_in_flight,
+        "consume_concurrency": config.infra.consumer_batch_size,
+        "consume_wait_ms": config.infra.consumer_batch_wait_ms,
+    }
+
+
 @contextmanager
 def embedded_fleet(
     database_url: str,
     *,
-    generate_concurrency: int = 8,
-    consume_concurrency: int = 32,
+    generate_concurrency: int | None = None,
+    consume_concurrency: int | None = None,
+    consume_wait_ms: float | None = None,
     broker_url: str = EMBEDDED_BROKER,
     loglevel: str = "WARNING",
 ) -> Iterator[Runtime]:
-    """Start a worker thread for the generate, consume and train roles; yield the runtime."""
+    """Start a worker thread for the generate, consume and train roles; yield the runtime.
+
+    The consumer commits up to `consume_concurrency` results together (its threads, and its
+    batch's bound), waiting at most `consume_wait_ms` after the first. What is not given is
+    the config schema's default (`fleet_options`)."""
+    from refill.config import from_snapshot
+
+    given = {
+        "generate_concurrency": generate_concurrency,
+        "consume_concurrency": consume_concurrency,
+        "consume_wait_ms": consume_wait_ms,
+    }
+    sizes = {**fleet_options(from_snapshot({})), **{k: v for k, v in given.items() if v is not None}}
     app: Celery = make_app(broker_url, name="refill-embedded")
-    runtime = install_runtime(app, Runtime(app, database_url, worker_name="embedded"))
+    consumer_batch = (sizes["consume_concurrency"], sizes["consume_wait_ms"])
+    runtime = install_runtime(app, Runtime(app, database_url, worker_name="embedded", consumer_batch=consumer_batch))
     app.finalize()
     # Celery's threads pool resolves the app through the process's current app.
     app.set_current()
     app.set_default()
     _purge(app)
-    concurrency = {"generate": generate_concurrency, "consume": consume_concurrency, "train": 1}
+    concurrency = {"generate": sizes["generate_concurrency"], "consume": sizes["consume_concurrency"], "train": 1}
     workers: list[tuple[_ThreadWorker, threading.Thread]] = []
     try:
         for role in ("generate", "consume", "train"):

@@ -51,9 +51,20 @@ def default_worker_name() -> str:
 
 
 class Runtime:
-    def __init__(self, app: Celery, database_url: str, worker_name: str | None = None) -> None:
+    def __init__(
+        self,
+        app: Celery,
+        database_url: str,
+        worker_name: str | None = None,
+        *,
+        consumer_batch: tuple[int, float] | None = None,
+    ) -> None:
+        """`consumer_batch`: the results consumer's group commit, (results, milliseconds), where
+        a run's config sets it (the embedded run's `infra.consumer_batch_size` and `_wait_ms`);
+        a fleet's consumer serves every run and keeps `ResultConsumer`'s own."""
         self.app = app
         self.worker_name = worker_name or default_worker_name()
+        self.consumer_batch = consumer_batch
         # Waits out an outage of the database instead of failing the task in hand.
         self.ledger = PatientLedger(database_url, application_name=f"refill:{self.worker_name}")
         self._lock = threading.Lock()
@@ -84,7 +95,10 @@ class Runtime:
             if self._consumer is None:
                 from refill.tasks.consumer import ResultConsumer
 
-                self._consumer = ResultConsumer(self.ledger, after_commit=self.relay)
+                batch: dict[str, Any] = {}
+                if self.consumer_batch is not None:
+                    batch["max_batch"], batch["max_wait_ms"] = self.consumer_batch
+                self._consumer = ResultConsumer(self.ledger, after_commit=self.relay, **batch)
             return self._consumer
 
     def trainer(self) -> TrainerService:

@@ -200,3 +200,30 @@ def test_a_snapshot_the_schema_refuses_names_the_key():
         from_snapshot({"infra": {"max_result_byte": 4096}})
     with pytest.raises(ConfigError, match="must be a mapping of sections"):
         from_snapshot(["grpo"])  # type: ignore[arg-type]
+
+
+def test_the_embedded_consumer_commits_the_configs_batches(tmp_path) -> None:
+    from celery import Celery
+
+    from refill.tasks.embedded import fleet_options
+    from refill.tasks.runtime import Runtime
+
+    defaults = fleet_options(from_snapshot({}))
+    assert defaults == {
+        "generate_concurrency": schema_default("generation.groups_in_flight"),
+        "consume_concurrency": schema_default("infra.consumer_batch_size"),
+        "consume_wait_ms": schema_default("infra.consumer_batch_wait_ms"),
+    }
+    # `infra.consumer_batch_wait_ms` was a key nothing read: the consumer waited 20 ms whatever
+    # the config said.
+    config = from_snapshot({"infra": {"consumer_batch_size": 5, "consumer_batch_wait_ms": 7}})
+    options = fleet_options(config)
+    runtime = Runtime(
+        Celery(), f"sqlite:///{tmp_path}/ledger.db",
+        consumer_batch=(options["consume_concurrency"], options["consume_wait_ms"]),
+    )
+    try:
+        batcher = runtime.consumer()._batcher
+        assert (batcher.max_batch, batcher.max_wait_s) == (5, pytest.approx(0.007))
+    finally:
+        runtime.close()
