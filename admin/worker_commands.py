@@ -55,9 +55,19 @@ def worker(
         fail("a fleet worker needs the ledger: set REFILL_DATABASE_URL (postgresql+psycopg://...)", EXIT_BAD_INPUT)
     try:
         # Importing the app builds it, which reads REFILL_WORKER_EVENTS (and refuses a bad value).
-        from refill.tasks.app import EVENTS_ENV, app, event_settings, events_from_env
+        from refill.tasks.app import (
+            EVENTS_ENV,
+            app,
+            event_settings,
+            events_from_env,
+            visibility_timeout_seconds,
+        )
+        from refill.tasks.relay import queued_per_share
 
         from_env = events_from_env()
+        # Read again here: the app may have been built before this command ran (in-process).
+        visibility_timeout_seconds()
+        queued_per_share()
     except ValueError as error:
         fail(str(error), EXIT_BAD_INPUT)
     if role == "train":

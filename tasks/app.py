@@ -57,8 +57,26 @@ def event_settings(enabled: bool) -> dict[str, bool]:
     return {"worker_send_task_events": enabled, "task_send_sent_event": enabled}
 
 
+def visibility_timeout_seconds() -> int:
+    """REFILL_VISIBILITY_TIMEOUT (seconds), or its default; a value that is not a positive
+    integer is refused, naming it."""
+    raw = os.environ.get("REFILL_VISIBILITY_TIMEOUT", "").strip()
+    if not raw:
+        return DEFAULT_VISIBILITY_TIMEOUT
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(
+            f"REFILL_VISIBILITY_TIMEOUT={raw!r}: must be a positive integer, seconds a message taken "
+            f"by a worker that died stays invisible (default {DEFAULT_VISIBILITY_TIMEOUT})"
+        )
+    return value
+
+
 def celery_settings(broker_url: str, key_prefix: str | None = None) -> dict[str, Any]:
-    visibility_timeout = int(os.environ.get("REFILL_VISIBILITY_TIMEOUT", DEFAULT_VISIBILITY_TIMEOUT))
+    visibility_timeout = visibility_timeout_seconds()
     # kombu looks for messages whose visibility timeout passed only every interval * throttle
     # seconds (10 * 10 by default), so a lowered timeout would take up to 100 s more to act;
     # sweep at least four times per timeout (at most every 10 s).

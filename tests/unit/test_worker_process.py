@@ -52,3 +52,33 @@ def test_a_worker_refuses_a_concurrency_below_one(monkeypatch) -> None:  # type:
         assert result.exit_code == 2, result.output
         assert "--concurrency" in result.output and "greater than or equal to" in " ".join(result.output.split())
     assert started == []
+
+
+def test_a_bad_visibility_timeout_is_refused_naming_the_variable(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """It went to `int()` as it was: a worker started with `REFILL_VISIBILITY_TIMEOUT=6h` died
+    with a traceback ending in "invalid literal for int()"."""
+    from refill.tasks.app import (
+        DEFAULT_VISIBILITY_TIMEOUT,
+        celery_settings,
+        visibility_timeout_seconds,
+    )
+
+    monkeypatch.delenv("REFILL_VISIBILITY_TIMEOUT", raising=False)
+    assert visibility_timeout_seconds() == DEFAULT_VISIBILITY_TIMEOUT
+    monkeypatch.setenv("REFILL_VISIBILITY_TIMEOUT", "90")
+    assert celery_settings("redis://127.0.0.1:6379/15")["broker_transport_options"]["visibility_timeout"] == 90
+    from refill.tasks.app import app
+
+    def worker_main(argv: list[str]) -> None:
+        raise AssertionError("the worker started")
+
+    monkeypatch.setattr(app, "worker_main", worker_main)
+    for bad in ("6h", "0", "-5"):
+        monkeypatch.setenv("REFILL_VISIBILITY_TIMEOUT", bad)
+        result = CliRunner().invoke(
+            cli_app,
+            ["worker", "consume"],
+            env={"REFILL_BROKER_URL": "redis://127.0.0.1:6379/15", "REFILL_DATABASE_URL": "postgresql+psycopg://u@127.0.0.1/none"},
+        )
+        assert result.exit_code == 2, result.output
+        assert f"REFILL_VISIBILITY_TIMEOUT={bad!r}: must be a positive integer" in result.output
