@@ -25,8 +25,9 @@ ROLES = {
         GENERATE,
         "threads",
         8,
-        "one engine per process; each thread holds one group in flight so the engine batches "
-        "them (set --concurrency to generation.groups_in_flight; run one process per GPU)",
+        "one engine per process (run one per GPU); each thread runs one message, a bundle of up "
+        "to 8 of a run's attempts, so 8 x --concurrency groups are in flight for the engine to "
+        "batch (set --concurrency to generation.groups_in_flight / 8)",
     ),
     "consume": Role(
         "consume",
