@@ -440,7 +440,7 @@ class FaultFacts:
     violations: list[str] = field(default_factory=list)
 
     def line(self, scenario: str, seconds: float, **extra: Any) -> str:
-        """One line for the suite's report (docs/faults.md is filled from these)."""
+        """One line for the suite's report (the README's fault table is filled from these)."""
         more = " ".join(f"{k}={v}" for k, v in extra.items())
         return (
             f"FAULT {scenario}: run {self.run_id} {self.status} steps={self.steps} "
