@@ -23,17 +23,28 @@ DatabaseUrl = Annotated[
 @db_app.command("upgrade")
 def upgrade(database_url: DatabaseUrl = None, revision: str = "head") -> None:
     """Create the ledger, or migrate it to the newest schema."""
-    from refill.admin.ledger_access import ledger_url
-    from refill.models.db import make_engine
-    from refill.models.migrate import current_revision
+    from alembic.util import CommandError
+    from sqlalchemy.exc import DBAPIError
+
+    from refill.admin.ledger_access import cannot_reach, ledger_at, ledger_url, schema_revision
+    from refill.models.migrate import prepare_sqlite_dir
     from refill.models.migrate import upgrade as run_upgrade
 
     url = ledger_url(database_url)
-    engine = make_engine(url)
-    before = current_revision(engine)
-    with _migration_progress():
-        run_upgrade(engine, revision)
-    note(f"ledger {redact_url(url)}: schema {before or 'empty'} -> {current_revision(engine)}")
+    ledger = ledger_at(url)
+    try:
+        prepare_sqlite_dir(ledger.engine)  # a new embedded ledger's folder
+    except OSError as error:
+        fail(f"cannot create the ledger at {redact_url(url)}: {error}", EXIT_BAD_INPUT)
+    before = schema_revision(ledger)
+    try:
+        with _migration_progress():
+            run_upgrade(ledger.engine, revision)
+    except CommandError as error:  # a revision Alembic does not know
+        fail(f"--revision {revision}: {error}", EXIT_BAD_INPUT)
+    except DBAPIError as error:
+        cannot_reach(url, error)
+    note(f"ledger {redact_url(url)}: schema {before or 'empty'} -> {schema_revision(ledger)}")
 
 
 class _NoteHandler(logging.Handler):
@@ -59,12 +70,11 @@ def _migration_progress() -> Iterator[None]:
 @db_app.command("current")
 def current(database_url: DatabaseUrl = None) -> None:
     """Print the ledger's schema revision and the newest one this refill knows."""
-    from refill.admin.ledger_access import ledger_url
-    from refill.models.db import make_engine
-    from refill.models.migrate import current_revision, head_revision
+    from refill.admin.ledger_access import ledger_at, ledger_url, schema_revision
+    from refill.models.migrate import head_revision
 
-    engine = make_engine(ledger_url(database_url))
-    typer.echo(f"{current_revision(engine) or 'none'} (newest: {head_revision()})")
+    revision = schema_revision(ledger_at(ledger_url(database_url)))
+    typer.echo(f"{revision or 'none'} (newest: {head_revision()})")
 
 
 #: The read-only role's default name: people who query the ledger with SQL (docs/sql.md).
@@ -88,14 +98,13 @@ def roles(
     that no one holds the credentials the fleet writes with. Run it as the role that runs
     `refill db upgrade` (tables it creates later are then readable too), on PostgreSQL."""
     from sqlalchemy import text
-    from sqlalchemy.engine import make_url
     from sqlalchemy.exc import OperationalError, ProgrammingError
 
-    from refill.admin.ledger_access import ledger_url
-    from refill.models.db import make_engine
+    from refill.admin.ledger_access import ledger_at, ledger_url
 
     url = ledger_url(database_url)
-    if make_url(url).get_backend_name() != "postgresql":
+    ledger = ledger_at(url)
+    if ledger.engine.dialect.name != "postgresql":
         fail(
             f"roles need a PostgreSQL ledger, not {redact_url(url)}: an embedded SQLite ledger is a "
             "file; give people a copy, or have them open it read-only (sqlite3 -readonly FILE)",
@@ -105,7 +114,7 @@ def roles(
     for name in (reader, *members):
         if not _ROLE_NAME.fullmatch(name):
             fail(f"{name!r} is not a role name refill creates or grants: lower-case letters, digits and _", EXIT_BAD_INPUT)
-    engine = make_engine(url)
+    engine = ledger.engine
     try:
         with engine.begin() as conn:
             missing = [m for m in members if conn.scalar(text("SELECT 1 FROM pg_roles WHERE rolname = :n"), {"n": m}) is None]

@@ -24,6 +24,7 @@ from refill.admin.console import (
     warn,
 )
 from refill.admin.inspect_common import (
+    LEDGER_INT_MAX,
     AsJson,
     DatabaseUrl,
     RunId,
@@ -64,7 +65,7 @@ class SlotStatusChoice(enum.StrEnum):
 def runs(
     database_url: DatabaseUrl = None,
     status: Annotated[RunStatusChoice | None, typer.Option(help="Only runs in this state.")] = None,
-    limit: Annotated[int | None, typer.Option(help="At most this many, newest first.", min=1)] = None,
+    limit: Annotated[int | None, typer.Option(help="At most this many, newest first.", min=1, max=LEDGER_INT_MAX)] = None,
     as_json: AsJson = False,
 ) -> None:
     """List the runs in the ledger, newest first.
@@ -233,7 +234,10 @@ def steps(
 
 def slots(
     run_id: RunId,
-    step: Annotated[int | None, typer.Option("--step", help="The step (default: every step not yet trained).")] = None,
+    step: Annotated[
+        int | None,
+        typer.Option("--step", help="The step (default: every step not yet trained).", min=0, max=LEDGER_INT_MAX),
+    ] = None,
     status: Annotated[SlotStatusChoice | None, typer.Option(help="Only slots in this state.")] = None,
     database_url: DatabaseUrl = None,
     as_json: AsJson = False,
@@ -295,8 +299,8 @@ def slots(
 
 def slot(
     run_id: RunId,
-    step: Annotated[int, typer.Argument(metavar="STEP", show_default=False)],
-    index: Annotated[int, typer.Argument(metavar="SLOT", show_default=False)],
+    step: Annotated[int, typer.Argument(metavar="STEP", show_default=False, min=0, max=LEDGER_INT_MAX)],
+    index: Annotated[int, typer.Argument(metavar="SLOT", show_default=False, min=0, max=LEDGER_INT_MAX)],
     database_url: DatabaseUrl = None,
     as_json: AsJson = False,
 ) -> None:
@@ -363,7 +367,7 @@ def slot(
 def budget(
     run_id: RunId,
     database_url: DatabaseUrl = None,
-    step: Annotated[int | None, typer.Option("--step", help="Only this step's slots.")] = None,
+    step: Annotated[int | None, typer.Option("--step", help="Only this step's slots.", min=0, max=LEDGER_INT_MAX)] = None,
     every_slot: Annotated[bool, typer.Option("--all", help="List every slot, not only those that used a budget.")] = False,
     as_json: AsJson = False,
 ) -> None:
@@ -443,8 +447,10 @@ def budget(
 
 def workers(
     database_url: DatabaseUrl = None,
-    run: Annotated[int | None, typer.Option("--run", help="Only attempts of this run.")] = None,
-    since: Annotated[float, typer.Option(help="Also list workers that finished work in the last SECONDS.", min=0)] = 600.0,
+    run: Annotated[int | None, typer.Option("--run", help="Only attempts of this run.", min=1, max=LEDGER_INT_MAX)] = None,
+    since: Annotated[
+        float, typer.Option(help="Also list workers that finished work in the last SECONDS.", min=0, max=1e10)
+    ] = 600.0,
     as_json: AsJson = False,
 ) -> None:
     """Show the live fleet: attempts in flight and last heartbeat per worker, and how the

@@ -24,7 +24,13 @@ DatabaseUrl = Annotated[
     ),
 ]
 AsJson = Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of a table.")]
-RunId = Annotated[int, typer.Argument(metavar="RUN", help="Run id (see `refill runs`).", show_default=False)]
+#: The largest id or count a ledger column holds (PostgreSQL's `integer`): a larger argument names
+#: nothing, and PostgreSQL refuses to compare with it ("integer out of range").
+LEDGER_INT_MAX = 2**31 - 1
+RunId = Annotated[
+    int,
+    typer.Argument(metavar="RUN", help="Run id (see `refill runs`).", show_default=False, min=1, max=LEDGER_INT_MAX),
+]
 
 
 @contextmanager

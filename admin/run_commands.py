@@ -26,16 +26,13 @@ from refill.admin.console import (
     show,
     warn,
 )
+from refill.admin.inspect_common import DatabaseUrl, RunId
 
 if TYPE_CHECKING:
     from refill.config import RunConfig
 
 run_app = typer.Typer(help="Start, resume and stop runs.", no_args_is_help=True)
 
-DatabaseUrl = Annotated[
-    str | None,
-    typer.Option("--database-url", help="Ledger URL (default: REFILL_DATABASE_URL, else sqlite:///runs/refill.db)."),
-]
 Detach = Annotated[
     bool, typer.Option("--detach", help="Hand the run to the fleet's control workers and return.")
 ]
@@ -68,7 +65,7 @@ def start(config_path: Annotated[Path, typer.Argument(metavar="CONFIG")], detach
 
 @run_app.command("resume")
 def resume(
-    run_id: Annotated[int, typer.Argument(metavar="RUN")],
+    run_id: RunId,
     database_url: DatabaseUrl = None,
     detach: Detach = False,
     quiet: Quiet = False,
@@ -95,7 +92,7 @@ def resume(
 
 
 @run_app.command("stop")
-def stop(run_id: Annotated[int, typer.Argument(metavar="RUN")], database_url: DatabaseUrl = None) -> None:
+def stop(run_id: RunId, database_url: DatabaseUrl = None) -> None:
     """Ask a run's controller to stop it (in-flight attempts are cancelled; resumable)."""
     from datetime import timedelta
 
@@ -146,8 +143,8 @@ def demo(quiet: Quiet = False) -> None:
 
 
 def drive_new_run(config: Any, *, detach: bool, quiet: bool) -> None:
+    from refill.admin.ledger_access import ledger_at, schema_revision
     from refill.config import is_embedded, resolved_urls
-    from refill.models.db import Ledger
 
     db_url, broker_url = resolved_urls(config)
     embedded = is_embedded(config)
@@ -156,11 +153,11 @@ def drive_new_run(config: Any, *, detach: bool, quiet: bool) -> None:
         note(f"embedded run: ledger {redact_url(db_url)}, in-process broker")
     else:
         note(f"fleet run: ledger {redact_url(db_url)}, broker {redact_url(broker_url)}")
-    ledger = Ledger(db_url)
+    ledger = ledger_at(db_url)
     if not embedded:
-        from refill.models.migrate import is_current
+        from refill.models.migrate import head_revision
 
-        if not is_current(ledger.engine):
+        if schema_revision(ledger) != head_revision():
             fail(f"the ledger at {redact_url(db_url)} is not at the current schema: run `refill db upgrade`", EXIT_BAD_INPUT)
     _drive(ledger, None, broker_url=None if embedded else broker_url, config=config, detach=detach, quiet=quiet)
 

@@ -28,7 +28,7 @@ TAIL_STEPS = 64
 def tail(
     run_id: RunId,
     database_url: DatabaseUrl = None,
-    interval: Annotated[float, typer.Option(help="Seconds between reads of the ledger.", min=0.05)] = 1.0,
+    interval: Annotated[float, typer.Option(help="Seconds between reads of the ledger.", min=0.05, max=3600)] = 1.0,
     once: Annotated[bool, typer.Option("--once", help="Print the current progress and exit.")] = False,
 ) -> None:
     """Follow a run's progress until it ends (Ctrl-C stops following).

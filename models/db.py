@@ -49,6 +49,10 @@ _RETRYABLE_SQLSTATES = {
 #: How long PostgreSQL lets a ledger connection sit idle inside a transaction (`make_engine`).
 IDLE_IN_TRANSACTION_SECONDS = 15
 
+#: How long a new PostgreSQL connection may take to be established (libpq's `connect_timeout`;
+#: its own default waits forever). A fleet process that gives up tries again (`PatientLedger`).
+CONNECT_TIMEOUT_SECONDS = 10
+
 #: A pooled PostgreSQL connection idle in the pool longer than this is pinged before it is
 #: handed out (`_ping_when_idle`); one back within it was in use a moment ago.
 PING_AFTER_IDLE_SECONDS = 0.5
@@ -90,6 +94,11 @@ def make_engine(url: str, *, echo: bool = False, application_name: str | None = 
     # again if it wakes). The fleet's transactions are milliseconds between statements; the
     # admin's long reads opt out (`admin/snapshot.py`); a URL that sets it keeps its own.
     options = str(parsed.query.get("options") or "")
+    # libpq waits for a connection without end by default: a server that accepts and never
+    # answers (a hung host, a half-open proxy) held `refill runs` and any worker's next
+    # transaction forever. A URL that sets it keeps its own.
+    if "connect_timeout" not in parsed.query:
+        connect_args["connect_timeout"] = str(CONNECT_TIMEOUT_SECONDS)
     if "idle_in_transaction_session_timeout" not in options:
         connect_args["options"] = f"{options} -c idle_in_transaction_session_timeout={IDLE_IN_TRANSACTION_SECONDS}s".strip()
     engine = create_engine(

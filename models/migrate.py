@@ -7,7 +7,7 @@ from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine, inspect
+from sqlalchemy import Engine
 
 import refill.migrations
 from refill.models.db import make_engine
@@ -30,7 +30,7 @@ def _run(engine: Engine, fn, *args) -> None:  # type: ignore[no-untyped-def]
 
 def upgrade(url_or_engine: str | Engine, revision: str = "head") -> None:
     engine = make_engine(url_or_engine) if isinstance(url_or_engine, str) else url_or_engine
-    _prepare_sqlite_dir(engine)
+    prepare_sqlite_dir(engine)
     _run(engine, command.upgrade, revision)
 
 
@@ -54,11 +54,7 @@ def head_revision() -> str:
     return head
 
 
-def is_current(engine: Engine) -> bool:
-    return "alembic_version" in inspect(engine).get_table_names() and current_revision(engine) == head_revision()
-
-
-def _prepare_sqlite_dir(engine: Engine) -> None:
+def prepare_sqlite_dir(engine: Engine) -> None:
     database = engine.url.database
     if engine.dialect.name == "sqlite" and database and database != ":memory:":
         os.makedirs(os.path.dirname(os.path.abspath(database)), exist_ok=True)
