@@ -18,6 +18,7 @@ import typer
 
 from refill.admin.console import (
     EXIT_BAD_INPUT,
+    EXIT_BROKEN_PIPE,
     EXIT_INVALID,
     err_console,
     fail,
@@ -145,7 +146,17 @@ _register()
 
 
 def main() -> None:
-    app(prog_name="refill")
+    import sys
+
+    try:
+        app(prog_name="refill")
+    except SystemExit as exit_:
+        # Click answers a closed stdout (EPIPE) with exit 1, this CLI's "checked and wrong",
+        # after wrapping stdout so that nothing more is written: that wrapper tells them apart
+        # (by name: typer carries its own copy of click's).
+        if exit_.code == EXIT_INVALID and type(sys.stdout).__name__ == "PacifyFlushWrapper":
+            raise SystemExit(EXIT_BROKEN_PIPE) from None
+        raise
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from refill.config import redact_url
 
 __all__ = [
     "EXIT_BAD_INPUT",
+    "EXIT_BROKEN_PIPE",
     "EXIT_INVALID",
     "err_console",
     "fail",
@@ -41,12 +42,24 @@ __all__ = [
 
 EXIT_INVALID = 1
 EXIT_BAD_INPUT = 2
+#: The reader of stdout went away (`refill runs | head -1`): what a shell reports for a tool
+#: that SIGPIPE ended (128 + 13), so a script tells it from "checked and wrong".
+EXIT_BROKEN_PIPE = 141
 
 # soft_wrap: rich would otherwise break long lines at the terminal width, which splits the
 # `key.path: message. Fix: ...` lines that people grep. highlight off: colouring numbers and
 # paths inside plain messages reads as noise.
-out_console = Console(soft_wrap=True, highlight=False)
-err_console = Console(stderr=True, soft_wrap=True, highlight=False)
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        """rich's own answer is exit 1, this CLI's "checked and wrong"."""
+        try:
+            super().on_broken_pipe()
+        except SystemExit:
+            raise SystemExit(EXIT_BROKEN_PIPE) from None
+
+
+out_console = _Console(soft_wrap=True, highlight=False)
+err_console = _Console(stderr=True, soft_wrap=True, highlight=False)
 
 
 def print_json(data: Any) -> None:
@@ -97,7 +110,7 @@ def show(renderable: RenderableType) -> None:
     if out_console.is_terminal:
         out_console.print(renderable)
     else:
-        Console(soft_wrap=True, highlight=False, width=4096).print(renderable)
+        _Console(soft_wrap=True, highlight=False, width=4096).print(renderable)
 
 
 def _is_number(value: Any) -> bool:

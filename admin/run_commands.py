@@ -151,6 +151,9 @@ def drive_new_run(config: Any, *, detach: bool, quiet: bool) -> None:
     if embedded:
         Path(config.run.output_dir).mkdir(parents=True, exist_ok=True)
         note(f"embedded run: ledger {redact_url(db_url)}, in-process broker")
+    elif broker_url.startswith("memory://"):
+        # A ledger URL alone: this process runs every role, on that ledger.
+        note(f"in-process workers on ledger {redact_url(db_url)} (no REFILL_BROKER_URL: no fleet)")
     else:
         note(f"fleet run: ledger {redact_url(db_url)}, broker {redact_url(broker_url)}")
     ledger = ledger_at(db_url)

@@ -128,3 +128,33 @@ def test_a_broken_embedded_ledger_fails_the_check(embedded: tuple[str, int], tmp
     result = invoke(broken, "check", str(run))
     assert result.exit_code == 1
     assert f"run {run}, step 0, slot 2, attempt" in result.stdout and "staleness 5" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "args",
+    [("runs",), ("runs", "--json"), ("steps", "{run}"), ("check", "{run}"), ("metrics", "{run}", "--csv")],
+)
+def test_output_to_a_reader_that_went_away_is_not_checked_and_wrong(embedded: tuple[str, int], args: tuple[str, ...]) -> None:
+    """`refill check RUN | head -1` exited 1, this CLI's "checked and wrong", once `head` had
+    gone (rich's and click's answer to EPIPE): a script with pipefail read a healthy ledger as
+    a broken one. It exits 141 now, as a tool that SIGPIPE ended does; nothing on stderr."""
+    import os
+    import subprocess
+    import sys
+
+    from refill.admin.console import EXIT_BROKEN_PIPE
+
+    url, run = embedded
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first write: EPIPE every time
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "refill.admin.cli", *(a.format(run=run) for a in args), "--database-url", url],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            timeout=120,
+        )
+    finally:
+        os.close(write_end)
+    assert done.returncode == EXIT_BROKEN_PIPE, done.stderr
+    assert b"Traceback" not in done.stderr and b"Exception ignored" not in done.stderr, done.stderr
