@@ -12,6 +12,9 @@ import typer
 from refill.admin.console import EXIT_BAD_INPUT, fail, note, redact_url
 from refill.tasks.workers import ROLES
 
+#: Celery's log levels (any case).
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
 
 def worker(
     role: Annotated[str, typer.Argument(help="generate | consume | train | control")],
@@ -53,6 +56,15 @@ def worker(
         )
     if not database:
         fail("a fleet worker needs the ledger: set REFILL_DATABASE_URL (postgresql+psycopg://...)", EXIT_BAD_INPUT)
+    # What is wrong with the URLs themselves fails now; a ledger or broker that is down is
+    # waited for (a fleet starts in any order).
+    from refill.config.urls import broker_url_problem, database_url_problem
+
+    for name, problem in (("REFILL_BROKER_URL", broker_url_problem(broker)), ("REFILL_DATABASE_URL", database_url_problem(database))):
+        if problem:
+            fail(f"{name}: {problem}", EXIT_BAD_INPUT)
+    if loglevel.upper() not in LOG_LEVELS:
+        fail(f"--loglevel {loglevel}: choose one of {', '.join(LOG_LEVELS)}", EXIT_BAD_INPUT)
     try:
         # Importing the app builds it, which reads REFILL_WORKER_EVENTS (and refuses a bad value).
         from refill.tasks.app import (

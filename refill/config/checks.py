@@ -367,5 +367,5 @@ def _check_env_urls(c: SimpleNamespace) -> Iterable[Problem]:
                                  (BROKER_URL_ENV, "infra.broker_url", broker_url_problem)):
         value = c.environ.get(env_name)
         if value and (why := probe(value)):
-            yield Problem(key, f"{env_name} (which overrides it) holds {why}", f"correct {env_name}")
+            yield Problem(key, f"{env_name} (which overrides it): {why}", f"correct {env_name}")
 

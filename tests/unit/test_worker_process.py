@@ -82,3 +82,24 @@ def test_a_bad_visibility_timeout_is_refused_naming_the_variable(monkeypatch) ->
         )
         assert result.exit_code == 2, result.output
         assert f"REFILL_VISIBILITY_TIMEOUT={bad!r}: must be a positive integer" in result.output
+
+
+def test_urls_and_a_log_level_celery_cannot_use_are_refused_before_the_worker_starts(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """`REFILL_DATABASE_URL=foo://...` started a worker that said it was ready and failed every
+    task; `REFILL_BROKER_URL=bogus://...` and `--loglevel BOGUS` ended in Celery's tracebacks."""
+    from refill.tasks.app import app
+
+    def worker_main(argv: list[str]) -> None:
+        raise AssertionError("the worker started")
+
+    monkeypatch.setattr(app, "worker_main", worker_main)
+    good = {"REFILL_BROKER_URL": "redis://127.0.0.1:6379/15", "REFILL_DATABASE_URL": "postgresql+psycopg://u@127.0.0.1/none"}
+    for env, args, says in (
+        ({"REFILL_DATABASE_URL": "foo://u:s3cret@h/x"}, [], "REFILL_DATABASE_URL: 'foo://u:***@h/x' is not a PostgreSQL or SQLite URL"),
+        ({"REFILL_BROKER_URL": "bogus://h"}, [], "REFILL_BROKER_URL: 'bogus://h' is not a broker URL refill supports"),
+        ({}, ["--loglevel", "BOGUS"], "--loglevel BOGUS: choose one of DEBUG, INFO, WARNING, ERROR, CRITICAL"),
+    ):
+        result = CliRunner().invoke(cli_app, ["worker", "consume", *args], env={**good, **env})
+        assert result.exit_code == 2, result.output
+        assert says in result.output
+        assert "s3cret" not in result.output
