@@ -116,6 +116,13 @@ def stop(run_id: RunId, database_url: DatabaseUrl = None) -> None:
     status, alive = ledger.transaction(ask)
     if status == "missing":
         fail(f"there is no run {run_id}", EXIT_BAD_INPUT)
+    if status == RunStatus.CREATED.value:
+        ledger.transaction(lambda s: stop_run(s, run_id))
+        note(
+            f"run {run_id} had not started; it is stopped (a --detach start still queued leaves it; "
+            f"`refill run resume {run_id}` starts it)"
+        )
+        return
     if status != RunStatus.RUNNING.value:
         note(f"run {run_id} is {status}; nothing to stop")
         return
@@ -194,13 +201,14 @@ def _drive(
         else:
             app = make_app(broker_url)
             _check_broker(app, broker_url)
-        if run_id is None:
+        created = run_id is None
+        if created:
             with err_console.status("preparing the run (data set, weight version 0)..."):
                 run_id = create_run_from_config(ledger, config)
             note(f"run {run_id} created")
         if detach:
             controller_id = new_controller_id("control")
-            send_drive(app, run_id, controller_id)
+            send_drive(app, run_id, controller_id, start_only=created)
             out_console.print(f"run {run_id} handed to the control workers (`refill tail {run_id}` to follow)")
             return
         controller = Controller(ledger, app, run_id)

@@ -113,9 +113,15 @@ def start_run(
     *,
     takeover_after_seconds: float = 30.0,
     previous_controller: str | None = None,
+    created_only: bool = False,
     now: datetime | None = None,
 ) -> RunRow:
     """Make `controller_id` the run's controller and the run `running`.
+
+    `created_only`: this controller was sent to start a new run (`refill run start --detach`),
+    not to resume one: a run that is no longer `created` is refused (stopped before any
+    controller took it, or started by another), unless this same controller started it (its
+    message delivered again after its worker died).
 
     Only one controller drives a run: another one that heartbeated within
     `takeover_after_seconds` keeps it, unless it is `previous_controller` handing over (a
@@ -132,6 +138,11 @@ def start_run(
             run.controller_id = controller_id[:200]
             run.controller_seen_at = ctx.now
             return run
+        if created_only and run.status != RunStatus.CREATED.value and run.controller_id != controller_id[:200]:
+            raise RunStateError(
+                f"run {run_id} is {run.status}: this controller was sent to start it, not to resume it "
+                f"(`refill run resume {run_id}` does)"
+            )
         if run.status in (RunStatus.COMPLETED.value,):
             raise RunStateError(f"run {run_id} is completed ({run.end_reason}); start a new run instead")
         if run.status == RunStatus.FAILED.value and run.end_reason != "fleet_failed":
@@ -229,8 +240,16 @@ def request_stop(session: Session, run_id: int) -> Run:
 
 
 def stop_run(session: Session, run_id: int, now: datetime | None = None) -> int:
-    """Stop a run whose stop was requested: cancel its live attempts. Resumable."""
+    """Stop a run whose stop was requested: cancel its live attempts. Resumable. A run that
+    was created and never started is stopped too (it has nothing in flight): the first slice
+    of a `--detach` start that is still queued then leaves it alone (`start_run`'s
+    `created_only`), and `refill run resume` starts it."""
     with RunContext.open(session, run_id, now) as ctx:
+        if ctx.run.status == RunStatus.CREATED.value:
+            ctx.run.status = RunStatus.STOPPED.value
+            ctx.run.end_reason = "stopped"
+            ctx.run.finished_at = ctx.now
+            return 0
         if not ctx.running:
             return 0
         ctx.run.status = RunStatus.STOPPED.value

@@ -79,8 +79,15 @@ class Controller:
         self.tracking: StepTracking | None = None
         self._ledger = OutageClock()
 
-    def start(self, *, previous_controller: str | None = None, takeover_after_seconds: float = 30.0) -> None:
-        """Take control of the run (resuming it if it was stopped or its controller died)."""
+    def start(
+        self,
+        *,
+        previous_controller: str | None = None,
+        takeover_after_seconds: float = 30.0,
+        created_only: bool = False,
+    ) -> None:
+        """Take control of the run (resuming it if it was stopped or its controller died,
+        unless `created_only`: see `start_run`)."""
         run = self.ledger.transaction(
             lambda s: start_run(
                 s,
@@ -88,6 +95,7 @@ class Controller:
                 self.controller_id,
                 takeover_after_seconds=takeover_after_seconds,
                 previous_controller=previous_controller,
+                created_only=created_only,
             ),
             what="start run",
         )
@@ -239,7 +247,9 @@ def drive_slice(runtime: Any, body: dict[str, Any]) -> str:
     previous = f"{base}#{number - 1}" if number > 0 else None
     controller = Controller(runtime.ledger, runtime.app, run_id, me)
     try:
-        controller.start(previous_controller=previous)
+        # The first slice of `refill run start --detach` starts a new run; it never resumes one
+        # that was stopped while this message waited for a control worker.
+        controller.start(previous_controller=previous, created_only=bool(body.get("start_only")) and number == 0)
     except RunStateError as error:
         log.info("slice %s of run %s does not drive it: %s", me, run_id, error)
         return "not-mine"
@@ -253,10 +263,24 @@ def drive_slice(runtime: Any, body: dict[str, Any]) -> str:
     return status
 
 
-def send_drive(app: Celery, run_id: int, controller: str, number: int = 0, slice_seconds: float = SLICE_SECONDS) -> None:
+def send_drive(
+    app: Celery,
+    run_id: int,
+    controller: str,
+    number: int = 0,
+    slice_seconds: float = SLICE_SECONDS,
+    *,
+    start_only: bool = False,
+) -> None:
+    """Hand the run to the control workers: slice `number` of controller `controller`.
+    `start_only`: the run is new (`refill run start --detach`); its first slice does not
+    resume it if it is stopped by then."""
+    body = {"run_id": run_id, "controller": controller, "slice": number, "slice_seconds": slice_seconds}
+    if start_only:
+        body["start_only"] = True
     app.send_task(
         TASK_DRIVE_RUN,
-        args=[{"run_id": run_id, "controller": controller, "slice": number, "slice_seconds": slice_seconds}],
+        args=[body],
         queue=CONTROL,
         routing_key=CONTROL,
         serializer="json",

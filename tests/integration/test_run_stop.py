@@ -72,3 +72,40 @@ def test_a_run_without_a_live_controller_is_stopped_by_the_command(migrated, ske
     assert "stopped (no live controller)" in out
     assert d.run().status == "stopped"
     assert d.attempts(state="queued") == [] and d.attempts(state="cancelled")
+
+
+def test_a_run_that_never_started_is_stopped_and_a_queued_detached_start_leaves_it(migrated) -> None:  # type: ignore[no-untyped-def]
+    """`refill run stop` on a run made by `refill run start --detach` before any control worker
+    took it said "nothing to stop", and the queued first slice then started it anyway (starting
+    clears `stop_requested`). It is stopped now; that slice refuses it; resume starts it."""
+    from refill.models.runs import RunStateError, start_run
+
+    d = Driver(migrated, start=False)
+    assert "had not started; it is stopped" in _stop(d)
+    run = d.run()
+    assert (run.status, run.end_reason, run.controller_id) == ("stopped", "stopped", None)
+    with pytest.raises(RunStateError, match="this controller was sent to start it, not to resume it"):
+        d.ledger.transaction(lambda s: start_run(s, d.run_id, "control:1#0", created_only=True, now=d.now))
+    assert d.run().status == "stopped"
+    run = d.resume("controller-2")
+    assert (run.status, run.controller_id) == ("running", "controller-2")
+    assert d.admit()  # it runs from its first step
+
+
+def test_a_detached_start_delivered_again_keeps_the_run_it_started(migrated) -> None:  # type: ignore[no-untyped-def]
+    """The first slice's message comes again when its control worker died mid-slice: the same
+    controller takes the run back (after the takeover wait) rather than leaving it undriven;
+    another controller sent to start it does not."""
+    from refill.models.runs import RunStateError, start_run
+
+    d = Driver(migrated, start=False)
+
+    def start(controller: str):  # type: ignore[no-untyped-def]
+        return d.ledger.transaction(lambda s: start_run(s, d.run_id, controller, created_only=True, now=d.now))
+
+    assert start("control:1#0").status == "running"
+    d.admit()
+    d.tick(31)  # its worker died: no heartbeat for 30 s
+    with pytest.raises(RunStateError, match="sent to start it, not to resume it"):
+        start("control:2#0")
+    assert start("control:1#0").controller_id == "control:1#0"
