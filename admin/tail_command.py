@@ -53,7 +53,12 @@ def tail(
             _print_progress(progress, history)
             return
         printed: set[int] = set()
-        last_open = ""
+        last_open: str | None = None  # the first read always prints where the run stands
+        if progress.status == "created":
+            note(
+                f"run {run_id} has not started: no controller has taken it yet (a --detach run waits "
+                "for a control worker: `refill workers` lists them)"
+            )
         try:
             if err_console.is_terminal:
                 from refill.admin.progress import RunDisplay
