@@ -77,6 +77,7 @@ def resume(
     """Continue a run whose controller stopped (crashed, interrupted, or `refill run stop`)."""
     from refill.admin.ledger_access import open_ledger
     from refill.config import from_snapshot
+    from refill.models.runs import RunStateError, refuse_if_ended
     from refill.models.tables import Run
 
     ledger = open_ledger(database_url)
@@ -85,6 +86,11 @@ def resume(
         if run is None:
             fail(f"there is no run {run_id} in {redact_url(ledger.url)}", EXIT_BAD_INPUT)
         config = from_snapshot(run.config, source=f"run {run_id}'s stored config")
+        try:
+            # Before any worker starts: an embedded resume would start a whole fleet first.
+            refuse_if_ended(run_id, run.status, run.end_reason, run.error)
+        except RunStateError as error:
+            fail(str(error), EXIT_BAD_INPUT)
     broker = os.environ.get("REFILL_BROKER_URL") or config.infra.broker_url
     if broker and "***" in broker:
         fail("the run's broker URL has a password: set REFILL_BROKER_URL to resume it", EXIT_BAD_INPUT)
@@ -216,8 +222,8 @@ def _drive(
 
         try:
             controller.start(takeover_after_seconds=takeover_after)
-        except RunStateError as error:
-            fail(str(error), EXIT_INVALID)
+        except RunStateError as error:  # the run's state refuses it: the wrong run, or another drives it
+            fail(str(error), EXIT_BAD_INPUT)
         status = _follow(controller, quiet=quiet)
     _summary(ledger, run_id, status)
 

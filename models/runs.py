@@ -106,6 +106,18 @@ def publish_initial_weights(session: Session, run_id: int, path: str | None, now
         session.add(WeightVersion(run_id=run_id, version=0, path=path, trained_step=None, created_at=now))
 
 
+def refuse_if_ended(run_id: int, status: str, end_reason: str | None, error: str | None) -> None:
+    """Raise RunStateError for a run no controller may start again: completed, or failed for
+    a reason other than its fleet (a fleet's failure is fixed outside the run, then resumed)."""
+    if status == RunStatus.COMPLETED.value:
+        raise RunStateError(f"run {run_id} is completed ({end_reason}); start a new run instead")
+    if status == RunStatus.FAILED.value and end_reason != "fleet_failed":
+        raise RunStateError(
+            f"run {run_id} failed and cannot resume: {(error or '').splitlines()[0] if error else end_reason} — "
+            "fix the config and start a new run"
+        )
+
+
 def start_run(
     session: Session,
     run_id: int,
@@ -143,13 +155,7 @@ def start_run(
                 f"run {run_id} is {run.status}: this controller was sent to start it, not to resume it "
                 f"(`refill run resume {run_id}` does)"
             )
-        if run.status in (RunStatus.COMPLETED.value,):
-            raise RunStateError(f"run {run_id} is completed ({run.end_reason}); start a new run instead")
-        if run.status == RunStatus.FAILED.value and run.end_reason != "fleet_failed":
-            raise RunStateError(
-                f"run {run_id} failed and cannot resume: {(run.error or '').splitlines()[0]} — "
-                "fix the config and start a new run"
-            )
+        refuse_if_ended(run_id, run.status, run.end_reason, run.error)
         if session.get(WeightVersion, (run_id, 0)) is None:
             raise RunStateError(f"run {run_id} has no initial weights (version 0) yet")
         if (

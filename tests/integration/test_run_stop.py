@@ -109,3 +109,19 @@ def test_a_detached_start_delivered_again_keeps_the_run_it_started(migrated) -> 
     with pytest.raises(RunStateError, match="sent to start it, not to resume it"):
         start("control:2#0")
     assert start("control:1#0").controller_id == "control:1#0"
+
+
+def test_resume_of_a_completed_run_is_refused_before_any_worker_starts(migrated) -> None:  # type: ignore[no-untyped-def]
+    """It exited 1 ("checked and wrong"), where `refill gc` on a run that has not ended exits 2
+    (bad input), and only after the embedded fleet (the run's config names no broker) had
+    started its workers."""
+    d = Driver(migrated, {"grpo": {"max_num_steps": 1}})
+    d.admit()
+    d.fill_step(0)
+    assert d.train(0) and d.run().status == "completed"
+    result = CliRunner().invoke(
+        app, ["run", "resume", str(d.run_id), "--database-url", d.ledger.url], env={"REFILL_BROKER_URL": None}
+    )
+    assert result.exit_code == 2, result.output
+    assert f"run {d.run_id} is completed (max_num_steps); start a new run instead" in result.stderr
+    assert result.stderr.strip().count("\n") == 0, result.stderr  # that line alone: nothing started
