@@ -20,10 +20,10 @@ from refill.admin.console import (
     EXIT_BAD_INPUT,
     EXIT_BROKEN_PIPE,
     EXIT_INVALID,
-    err_console,
     fail,
     note,
     print_json,
+    print_problems,
     print_yaml,
     redact_url,
     warn,
@@ -119,10 +119,7 @@ def config_check(
     except ConfigFileError as exc:
         fail(exc.message, EXIT_BAD_INPUT)
     except ConfigError as exc:
-        count = len(exc.problems)
-        err_console.print(f"{file}: {count} problem{'s' if count != 1 else ''}:", markup=False)
-        for problem in exc.problems:
-            err_console.print(str(problem), markup=False)
+        print_problems(file, exc.problems)
         raise typer.Exit(EXIT_INVALID) from None
 
     snapshot = config.snapshot()

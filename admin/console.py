@@ -33,6 +33,7 @@ __all__ = [
     "note",
     "out_console",
     "print_json",
+    "print_problems",
     "print_table",
     "print_yaml",
     "redact_url",
@@ -60,6 +61,14 @@ class _Console(Console):
 
 out_console = _Console(soft_wrap=True, highlight=False)
 err_console = _Console(stderr=True, soft_wrap=True, highlight=False)
+
+
+def print_problems(source: Any, problems: Sequence[Any]) -> None:
+    """A config's problems on stderr, each `key.path: message. Fix: ...` on its own line."""
+    count = len(problems)
+    err_console.print(f"{source}: {count} problem{'s' if count != 1 else ''}:", markup=False)
+    for problem in problems:
+        err_console.print(str(problem), markup=False)
 
 
 def print_json(data: Any) -> None:

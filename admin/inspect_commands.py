@@ -155,8 +155,8 @@ def run_show(
         ("attempt reasons", _counts(d["attempt_reasons"])),
         ("groups", _counts(d["groups"])),
         ("rejected results", _counts(d["rejected_results"])),
-        ("zero-variance fraction", f"{num(d['zero_variance_fraction'])} ({d['zero_variance_groups']} of {d['finished_groups']} finished groups)"),
-        ("mean reward", f"first steps {num(d['mean_reward_first_steps'])}, last steps {num(d['mean_reward_last_steps'])}"),
+        ("zero-variance fraction", f"{num(d['zero_variance_fraction']) or '-'} ({d['zero_variance_groups']} of {d['finished_groups']} finished groups)"),
+        ("mean reward", f"first steps {num(d['mean_reward_first_steps']) or '-'}, last steps {num(d['mean_reward_last_steps']) or '-'}"),
         ("config hash / data", f"{d['config_hash'][:12]} / {d['data_fingerprint'][:12]}"),
     ]
     if d["database_url"] or d["broker_url"]:
@@ -386,7 +386,7 @@ def budget(
     scope = f"step {step}" if step is not None else "the run"
     p = b["p"]
     out_console.print(
-        f"run {run_id}: measured zero-variance fraction p = {num(p)} "
+        f"run {run_id}: measured zero-variance fraction p = {num(p) or '-'} "
         f"({b['zero_variance_groups']} of {b['finished_groups']} finished groups)",
         markup=False,
     )
@@ -407,10 +407,11 @@ def budget(
                 f"at this p, grpo.dynamic_sampling_max_replacements_per_slot >= "
                 f"{b['budget_for_1pct_risk']} keeps the risk below 1%"
             )
-    histogram = ", ".join(f"{k}: {v}" for k, v in b["filter_replacements_histogram"].items())
+    counts = ", ".join(f"{k}: {v}" for k, v in b["filter_replacements_histogram"].items())
+    histogram = f"{{{counts}}}" if counts else "none"
     out_console.print(
         f"in {scope}: {b['slots_total']} slots; filter replacements {b['filter_replacements']} "
-        f"(max {b['max_filter_replacements']} in one slot; slots by count {{{histogram}}}); drop "
+        f"(max {b['max_filter_replacements']} in one slot; slots by count {histogram}); drop "
         f"replacements {b['drop_replacements']} (max {b['max_drop_replacements']}, budget "
         f"{b['drop_budget']}, {b['on_dropped_prompt']}); {b['drops']} dropped prompts, "
         f"{b['infra_failures']} infra and {b['data_failures']} data failures",

@@ -90,13 +90,19 @@ def metrics(
         print_json(jsonable(rows))
         return
     if as_csv:
-        keys: list[str] = []
+        from refill.admin.progress_queries import METRIC_COLUMNS
+
+        # The ledger's columns first (a header even before the first step), then the trainer's
+        # extras as the rows have them.
+        keys: list[str] = list(METRIC_COLUMNS)
         for row in rows:
             keys.extend(k for k in row if k not in keys)
         writer = csv.DictWriter(sys.stdout, fieldnames=keys, lineterminator="\n")
         writer.writeheader()
         writer.writerows(rows)
         sys.stdout.flush()
+        if not rows:
+            note(f"run {run_id} has released no step yet")
         return
     if not rows:
         note(f"run {run_id} has released no step yet")

@@ -22,6 +22,7 @@ from refill.admin.console import (
     fail,
     note,
     out_console,
+    print_problems,
     redact_url,
     show,
     warn,
@@ -47,9 +48,7 @@ def _load(path: Path) -> Any:
     except ConfigFileError as error:
         fail(error.message, EXIT_BAD_INPUT)
     except ConfigError as error:
-        err_console.print(f"{path}: {len(error.problems)} problem(s):", markup=False)
-        for problem in error.problems:
-            err_console.print(str(problem), markup=False)
+        print_problems(path, error.problems)
         raise typer.Exit(EXIT_INVALID) from None
     for message in config.warnings():
         warn(message)

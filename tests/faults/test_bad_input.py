@@ -101,7 +101,7 @@ def test_malformed_data_rows_are_reported_with_line_numbers(fleet, fault_ledger,
     before = _ledger_rows(fault_ledger)
     result = _run_start(fleet, config)
     assert result.exit_code == 1, result.output
-    assert "3 problem(s)" in result.output, result.output
+    assert "3 problems:" in result.output, result.output
     assert "bad.jsonl line 3 is not valid JSON" in result.output
     assert "bad.jsonl line 5 has no 'prompt' field" in result.output
     assert "bad.jsonl line 7 is a JSON array, not an object" in result.output
