@@ -32,7 +32,11 @@ def ledger_at(url: str) -> Ledger:
     from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
     # Without a scheme the password cannot be told from the rest: such a string is not shown.
+    from refill.config.urls import unencoded_at_problem
+
     shown = redact_url(url) if "://" in url else "the URL given (not shown: it has no scheme://)"
+    if problem := unencoded_at_problem(url):
+        _bad_url(problem)
     try:
         parsed = make_url(url)
         parsed.get_dialect()

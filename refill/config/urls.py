@@ -15,9 +15,12 @@ DATABASE_URL_ENV = "REFILL_DATABASE_URL"
 BROKER_URL_ENV = "REFILL_BROKER_URL"
 EMBEDDED_BROKER_URL = "memory://"
 
-# Mirrors SQLAlchemy's URL grammar: the password runs from the first ':' after the user to the
-# first '@', so a password holding '/' (not percent-encoded) is still hidden as a whole.
-_URL_USERINFO = re.compile(r"(?P<head>[A-Za-z][\w+.\-]*://[^:/@\s;,]*:)(?P<secret>[^@\s]*)(?P<at>@)")
+# The password runs from the first ':' after the user to the URL's last '@' (before a ';' or ','
+# that starts the next URL of a list): a password holding '/' or an '@' that was not
+# percent-encoded is hidden as a whole. SQLAlchemy's grammar ends it at the first '@' (and takes
+# the rest for the host), so hiding only that far showed the password's tail in every error
+# that named the host.
+_URL_USERINFO = re.compile(r"(?P<head>[A-Za-z][\w+.\-]*://[^:/@\s;,]*:)(?P<secret>[^\s;,]*)(?P<at>@)")
 _URL_QUERY_SECRET = re.compile(
     r"(?P<head>[?&](?:password|passwd|pass|sslpassword|secret|token|api_key)=)(?P<secret>[^&#\s]*)",
     re.IGNORECASE,
@@ -69,11 +72,21 @@ def is_embedded(config: RunConfig, environ: Mapping[str, str] | None = None) -> 
 _BROKER_SCHEMES = ("redis", "rediss", "memory", "amqp", "amqps", "pyamqp", "sentinel")
 
 
+def unencoded_at_problem(url: str) -> str | None:
+    """A URL whose user or password holds a raw '@': SQLAlchemy takes the text after its first
+    '@' for the host, so the connection goes nowhere and its errors show the password's tail."""
+    if url.split("?", 1)[0].count("@") > 1:
+        return f"{redact_url(url)!r} has '@' in its user or password: write it as %40"
+    return None
+
+
 def database_url_problem(url: str) -> str | None:
     scheme = url.split("://", 1)[0] if "://" in url else ""
     base = scheme.split("+", 1)[0]
     if base not in ("sqlite", "postgresql", "postgres"):
         return f"{redact_url(url)!r} is not a PostgreSQL or SQLite URL"
+    if problem := unencoded_at_problem(url):
+        return problem
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError
 

@@ -45,6 +45,8 @@ def with_password(url: str) -> str:
         (f"not a url {SECRET}", "the URL given (not shown: it has no scheme://) is not a database URL"),
         (f"u:{SECRET}@h/x", "is not a database URL"),
         (f"postgresql+psycopg://u:{SECRET}@h:abc/x", "invalid literal for int()"),
+        # SQLAlchemy took the password's tail for the host, and every error named it
+        (f"postgresql+psycopg://u:pw@{SECRET}@127.0.0.1:1/x", "has '@' in its user or password: write it as %40"),
     ],
 )
 @pytest.mark.parametrize("command", [("runs",), ("db", "current"), ("db", "upgrade"), ("check", "1")])
