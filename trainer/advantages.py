@@ -7,7 +7,11 @@ Conventions, fixed here so tests and docs can quote exact numbers:
 - The spread is the population standard deviation of the group's rewards (divide by `n`, not
   `n - 1`), so rewards `[1, 0, 0, 1]` give advantages exactly `[+1, -1, -1, +1]` up to the
   epsilon: `A_i = (r_i - baseline_i) / (std + eps)`.
-- A zero-variance group gets all-zero advantages, normalised or not.
+- A zero-variance group gets all-zero advantages, normalised or not: one whose rewards spread
+  by at most `tolerance` (`grpo.zero_variance_tolerance`, the ledger's own test of a group).
+  Without it a spread just above zero was divided by a std just as small: rewards
+  `[0, 1e-6]` gave advantages of +-0.33 to a group the ledger judges to carry no signal (it
+  trains such groups when dynamic sampling is off).
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ def group_advantages(
     normalize: bool = True,
     leave_one_out: bool = False,
     eps: float = STD_EPSILON,
+    tolerance: float = 0.0,
 ) -> list[float]:
     """One advantage per completion of a group, relative to the group (see module notes)."""
     n = len(rewards)
@@ -76,7 +81,7 @@ def group_advantages(
         centred = [r - (total - r) / (n - 1) for r in values]
     else:
         centred = [r - mean for r in values]
-    if max(values) == min(values):
+    if max(values) - min(values) <= tolerance:
         # Exactly zero, not a rounding residue: such a group must not move the weights.
         return [0.0] * n
     if not normalize:

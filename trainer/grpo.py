@@ -305,6 +305,7 @@ class GRPOTrainer:
                 rewards,
                 normalize=s.grpo.normalize_rewards,
                 leave_one_out=s.grpo.use_leave_one_out_baseline,
+                tolerance=s.grpo.zero_variance_tolerance,
             )
             for completion, advantage in zip(group.completions, advantages, strict=True):
                 if len(completion.token_ids) == 0:

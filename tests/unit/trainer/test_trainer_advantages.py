@@ -44,6 +44,15 @@ def test_zero_variance_group_has_exactly_zero_advantages():
     assert group_advantages([1.0, 1.0], leave_one_out=True, normalize=False) == [0.0, 0.0]
 
 
+def test_a_group_within_the_zero_variance_tolerance_has_zero_advantages():
+    """The ledger judges a group by `grpo.zero_variance_tolerance`; the trainer judged by exact
+    equality, so a spread of 1e-6 (no signal, by the ledger) was scaled up to +-0.33."""
+    assert group_advantages([0.0, 1e-6]) == pytest.approx([-1 / 3, 1 / 3], rel=1e-3)  # exact test
+    assert group_advantages([0.0, 1e-6], tolerance=1e-6) == [0.0, 0.0]
+    assert group_advantages([0.5, 0.5 + 5e-7, 0.5], leave_one_out=True, tolerance=1e-6) == [0.0, 0.0, 0.0]
+    assert group_advantages([0.0, 1e-3], tolerance=1e-6) == pytest.approx([-1.0, 1.0], rel=1e-2)
+
+
 def test_leave_one_out_needs_two():
     with pytest.raises(ValueError, match="at least two"):
         group_advantages([1.0], leave_one_out=True)

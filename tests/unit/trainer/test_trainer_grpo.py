@@ -504,3 +504,20 @@ def test_a_mini_batch_larger_than_the_step_is_refused_by_the_config():
         {"data": {"builtin": "arith"}, "optimizer": {"groups_per_update": 2}}, name="t"
     )
     assert read_settings(config).optimizer.groups_per_update == 2
+
+
+def test_groups_within_the_zero_variance_tolerance_do_not_move_the_weights(settings, tmp_path):
+    """With dynamic sampling off the ledger trains groups it judges zero-variance (spread at most
+    `grpo.zero_variance_tolerance`); the trainer gave a spread of 1e-7 advantages of +-0.09."""
+    settings.loss.use_importance_sampling_correction = False
+    settings.optimizer.weight_decay = 0.0  # else AdamW moves the weights with no gradient at all
+    groups = [
+        dataclasses.replace(g, rewards=[0.5 + (1e-7 if i == 0 else 0.0) for i in range(len(g.rewards))])
+        for g in make_groups(step=0, seed=2)
+    ]
+    trainer = GRPOTrainer(settings, tmp_path / "run")
+    trainer.restore(0)
+    before = _params(trainer)
+    metrics = trainer.train_step(0, groups)
+    assert metrics["grad_norm"] == 0.0
+    _assert_same_params(before, _params(trainer), atol=0.0)
