@@ -670,3 +670,22 @@ def test_the_grafana_dashboard_reads_only_metrics_the_exporter_serves() -> None:
     assert used and used <= served, sorted(used - served)
     # Counters are served with their _total suffix and the dashboard reads them so.
     assert "refill_steps_trained_total" in used
+
+
+def test_fleet_wide_settings_reach_every_refill_service_and_the_qwen_paths_reach_start() -> None:
+    """Setting them in docker/.env did nothing: compose passes a service only the variables its
+    file names (the README says to set these alike on every process)."""
+    fleet_wide = ("REFILL_BROKER_PREFIX", "REFILL_QUEUED_PER_SHARE", "REFILL_VISIBILITY_TIMEOUT")
+    for name, service in refill_services().items():
+        for variable in fleet_wide:
+            assert service["environment"][variable] == "", (name, variable)  # empty: the default
+    given = {"REFILL_BROKER_PREFIX": "fleet-a:", "REFILL_QUEUED_PER_SHARE": "64", "REFILL_VISIBILITY_TIMEOUT": "7200",
+             "REFILL_MODEL_PATH": "/weights/other", "REFILL_TRAIN_PATH": "/data/other.jsonl"}
+    resolved = compose(env={**REQUIRED, **given})["services"]
+    for name in refill_services():
+        assert {v: resolved[name]["environment"][v] for v in fleet_wide} == {v: given[v] for v in fleet_wide}, name
+    start = resolved["start"]["environment"]
+    assert (start["REFILL_MODEL_PATH"], start["REFILL_TRAIN_PATH"]) == ("/weights/other", "/data/other.jsonl")
+    assert start["REFILL_DATABASE_URL"] == resolved["control"]["environment"]["REFILL_DATABASE_URL"]
+    # The Qwen config reads them as ${VAR:-default}: empty (not set in .env) is its default.
+    assert "${REFILL_MODEL_PATH:-" in (ROOT / "configs" / "qwen-math-vllm.yaml").read_text()
