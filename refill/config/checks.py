@@ -198,6 +198,26 @@ def _check_generation(c: SimpleNamespace) -> Iterable[Problem]:
         )
 
 
+#: The temperatures vLLM samples at as asked: it refuses one above 2 (0.32 on, as each request's
+#: SamplingParams is made) and samples below 0.01 at 0.01 (every version), where the trainer
+#: would score at the configured one.
+VLLM_TEMPERATURES = (0.01, 2.0)
+
+
+@_check("generation.backend", "generation.temperature")
+def _check_vllm_temperature(c: SimpleNamespace) -> Iterable[Problem]:
+    g = c.generation
+    low, high = VLLM_TEMPERATURES
+    if g.backend == "vllm" and not low <= g.temperature <= high:
+        yield Problem(
+            "generation.temperature",
+            f"({g.temperature}) is outside [{low}, {high}], the temperatures vLLM samples at as asked "
+            "(it refuses one above 2 and raises one below 0.01 to 0.01, while the trainer would score "
+            "at the configured one)",
+            f"set it within [{low}, {high}]",
+        )
+
+
 @_check("grpo.reward_shaping", "generation.max_new_tokens")
 def _check_shaping(c: SimpleNamespace) -> Iterable[Problem]:
     rs = c.grpo.reward_shaping

@@ -59,6 +59,7 @@ model's], ``enforce_eager`` [false], ``dtype`` ["auto"].
 
 from __future__ import annotations
 
+import gc
 import inspect
 import math
 from collections.abc import Callable
@@ -174,7 +175,7 @@ class VLLMEngine:
             sampling_params_cls=sampling_params_cls,
             use_chat_template=config.generation.use_chat_template,
             reload_style=reload_style or "weights_path",
-            max_model_len=args.get("max_model_len"),
+            max_model_len=args.get("max_model_len") or _engine_max_model_len(llm),
             load_format=args.get("load_format"),
         )
 
@@ -195,12 +196,9 @@ class VLLMEngine:
                         f"the prompt of attempt {request.attempt_id} has {len(ids)} tokens; "
                         f"generation.vllm.max_model_len is {self.max_model_len}"
                     )
-            except Exception as exc:  # noqa: BLE001 - this request's failure, reported in its slot
-                results[i] = exc
-                continue
-            prompts.append({"prompt_token_ids": ids})
-            params.append(
-                self.sampling_params_cls(
+                # vLLM validates its sampling parameters as they are made: a refusal fails this
+                # request, not the batch.
+                sampling = self.sampling_params_cls(
                     n=request.n,
                     temperature=request.temperature,
                     top_p=request.top_p,
@@ -208,7 +206,11 @@ class VLLMEngine:
                     seed=request.seed,
                     logprobs=0,
                 )
-            )
+            except Exception as exc:  # noqa: BLE001 - this request's failure, reported in its slot
+                results[i] = exc
+                continue
+            prompts.append({"prompt_token_ids": ids})
+            params.append(sampling)
             submitted.append(i)
         if submitted:
             outputs = self.llm.generate(prompts, params, use_tqdm=False)
@@ -242,8 +244,21 @@ class VLLMEngine:
         self.weight_version = version
 
     def close(self) -> None:
-        # vLLM frees its workers and GPU memory when the LLM is garbage-collected.
+        # vLLM stops its engine process and frees the GPU when the LLM is garbage-collected
+        # (a finalizer; it has no shutdown of its own): a reference cycle through it would keep
+        # the memory held until the collector's next full pass, so run one now.
         self.llm = None
+        gc.collect()
+
+
+def _engine_max_model_len(llm: Any) -> int | None:
+    """The context length vLLM chose when the config left `generation.vllm.max_model_len`
+    unset (the model's own), so that an over-long prompt fails alone there too."""
+    try:
+        value = llm.llm_engine.model_config.max_model_len
+    except AttributeError:
+        return None
+    return int(value) if isinstance(value, int) else None
 
 
 def _convert(output: Any, request: GenerationRequest) -> GenerationOutput:

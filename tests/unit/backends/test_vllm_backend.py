@@ -82,6 +82,15 @@ class SamplingParams:
     logprobs: int | None = None
     extra: dict = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # vLLM 0.32's own check as the object is made (vllm/sampling_params.py, _verify_args).
+        if self.temperature > 2.0:
+            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}.")
+
+
+class ModelConfig(SimpleNamespace):
+    """`LLM.llm_engine.model_config`: what vLLM resolved, the context length among it."""
+
 
 def _tokenizer():
     import transformers
@@ -98,6 +107,8 @@ class FakeLLM:
         self.rpcs: list[tuple[str, tuple, dict]] = []
         self.prefix_resets = 0
         self.model = engine_args.get("model", "base")
+        # vLLM takes the model's own context length when max_model_len is not given.
+        self.llm_engine = SimpleNamespace(model_config=ModelConfig(max_model_len=engine_args.get("max_model_len", 32)))
         self.load_format = engine_args.get("load_format", "auto")
         # vLLM's dummy loader starts from random weights.
         self.weights = "random-0" if self.load_format == "dummy" else "base"
@@ -282,6 +293,36 @@ def test_a_prompt_longer_than_the_model_fails_alone():
     assert isinstance(outs[0], GenerationOutput)
     assert isinstance(outs[1], ValueError) and "max_model_len is 8" in str(outs[1])
     assert len(llm.generate_calls[0][0]) == 1
+
+
+def test_without_max_model_len_the_engines_own_bounds_the_prompt(tmp_path):
+    """With `generation.vllm.max_model_len` unset (its default) the check was skipped, and one
+    over-long prompt failed the whole `LLM.generate` call (vLLM validates every prompt first)."""
+    config = SimpleNamespace(
+        run=SimpleNamespace(seed=7),
+        model=SimpleNamespace(name_or_path="builtin:tiny-arith"),
+        generation=SimpleNamespace(
+            backend="vllm", use_chat_template=False,
+            vllm=SimpleNamespace(tensor_parallel_size=1, gpu_memory_utilization=0.5, max_model_len=None,
+                                 enforce_eager=True, dtype="float32"),
+        ),
+    )
+    eng = VLLMEngine.from_config(config, llm_factory=FakeLLM, sampling_params_cls=SamplingParams)
+    assert "max_model_len" not in eng.llm.engine_args and eng.max_model_len == 32
+    long_prompt = "+".join(["123456789"] * 8) + "="
+    outs = eng.generate([request(1, prompt="1+1="), request(2, prompt=long_prompt)])
+    assert isinstance(outs[0], GenerationOutput)
+    assert isinstance(outs[1], ValueError) and "max_model_len is 32" in str(outs[1])
+
+
+def test_sampling_parameters_vllm_refuses_fail_their_request_alone():
+    """vLLM 0.32 refuses a temperature above 2 as the SamplingParams is made: made outside the
+    per-request guard, that failed every group of the batch."""
+    eng, llm = engine()
+    outs = eng.generate([request(1), request(2, temperature=2.5), request(3)])
+    assert isinstance(outs[1], ValueError) and "temperature" in str(outs[1])
+    assert isinstance(outs[0], GenerationOutput) and isinstance(outs[2], GenerationOutput)
+    assert len(llm.generate_calls[0][0]) == 2
 
 
 def test_load_weights_reloads_in_place_and_resets_the_prefix_cache():

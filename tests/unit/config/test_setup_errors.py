@@ -226,3 +226,14 @@ def test_tail_fraction_is_a_fraction_of_the_step() -> None:
     assert build({"async_rl": {"over_dispatch": {"tail_fraction": 0.05}}}).async_rl.over_dispatch.tail_fraction == 0.05
     p = problem_at("async_rl.over_dispatch.tail_fraction", {"async_rl": {"over_dispatch": {"tail_fraction": 1.5}}})
     assert str(p).startswith("async_rl.over_dispatch.tail_fraction: ")
+
+
+def test_a_temperature_vllm_would_not_sample_at_is_refused_for_vllm_only() -> None:
+    """vLLM refuses a temperature above 2 (0.32 on) and samples below 0.01 at 0.01, where the
+    trainer scores at the configured one: every group of the run failed, or trained on skewed
+    importance weights."""
+    for temperature in (2.5, 0.005):
+        p = problem_at("generation.temperature", {"generation": {"backend": "vllm", "temperature": temperature}})
+        assert f"({temperature}) is outside [0.01, 2.0]" in p.message and "within [0.01, 2.0]" in p.fix
+    assert build({"generation": {"backend": "vllm", "temperature": 2.0}}).generation.temperature == 2.0
+    assert build({"generation": {"backend": "hf", "temperature": 2.5}}).generation.temperature == 2.5
