@@ -14,7 +14,10 @@ import torch
 
 
 def processed_logprobs(
-    logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Log-probs of the distribution sampled from: ``softmax(logits / T)`` cut to the top-p nucleus.
 
@@ -22,18 +25,27 @@ def processed_logprobs(
     the nucleus get ``-inf``. The nucleus is the smallest set of most likely tokens whose mass
     reaches ``top_p`` (the token that crosses the threshold is kept), as in transformers' and
     vLLM's top-p. Rows with temperature 0 are computed at temperature 1 (callers decode them
-    greedily).
+    greedily). A row whose ``top_p`` is 1 is never cut, whatever the other rows ask.
+
+    ``keep`` (``[rows]`` token ids), for scoring tokens that were sampled: each row's token stays
+    in its nucleus. The engine drew it, so it was inside the engine's; a recomputation whose
+    rounding differs (bf16, another kernel, a batch of another shape) can put a token near the
+    edge just outside, where its log-prob would be ``-inf`` and its importance weight nothing.
     """
     temperature = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
     logp = torch.log_softmax(logits.float() / temperature[:, None], dim=-1)
     if bool((top_p >= 1).all()):
         return logp
-    sorted_logp, order = logp.sort(dim=-1, descending=True)
+    sorted_logp, order = logp.sort(dim=-1, descending=True, stable=True)
     sorted_p = sorted_logp.exp()
     mass_before = sorted_p.cumsum(dim=-1) - sorted_p
-    drop_sorted = mass_before >= top_p[:, None]
+    # A row with top_p 1 beside rows that cut: float32's running sum reaches 1.0 before the end
+    # of a large vocabulary, which would drop that row's tail.
+    drop_sorted = (mass_before >= top_p[:, None]) & (top_p < 1)[:, None]
     drop_sorted[:, 0] = False
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    if keep is not None:
+        drop[torch.arange(drop.shape[0], device=drop.device), keep] = False
     masked = logp.masked_fill(drop, float("-inf"))
     return masked - torch.logsumexp(masked, dim=-1, keepdim=True)
 

@@ -146,10 +146,12 @@ def _processed(
     count = rows.shape[0]
     if count == 0:  # a rank's padding micro-batch
         return out
+    sampled = targets[where]
     logp = processed_logprobs(
         rows,
         torch.full((count,), temperature, device=device),
         torch.full((count,), top_p, device=device),
+        keep=sampled,  # rounding must not cut a token the engine drew (refill.sampling)
     )
-    out[where] = logp.gather(-1, targets[where].unsqueeze(-1)).squeeze(-1)
+    out[where] = logp.gather(-1, sampled.unsqueeze(-1)).squeeze(-1)
     return out

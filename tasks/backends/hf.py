@@ -8,7 +8,8 @@ requests with their own parameters and seeds. Here each row has its own temperat
 length limit and ``torch.Generator`` (seeded from the request seed and the completion index), and
 draws its uniforms before the loop. A group's samples therefore do not depend on which other
 groups shared its batch (up to floating-point differences of batched matmuls, which could flip a
-token only when a uniform falls within rounding error of a bucket edge).
+token only when a uniform falls within rounding error of a bucket edge: in float32 none did in a
+review's 48 groups; in bfloat16, whose rounding is 65,000 times coarser, 8 of 48 differed).
 
 Log-probs: each returned log-prob is ``log q(token)`` where ``q`` is the distribution the token
 was actually drawn from: logits divided by the temperature, restricted to the top-p nucleus, and

@@ -142,6 +142,31 @@ def test_top_p_truncates_the_distribution():
     assert (cut[0, :2] > full[0, :2]).all()
 
 
+def test_a_row_that_asks_no_cut_is_not_cut_beside_rows_that_do():
+    """Groups of runs with different top_p share an engine batch. A top_p = 1 row went through
+    the cut with the others, and float32's running sum reaches 1.0 before the end of a large
+    vocabulary: its tail became -inf, tokens the engine could never draw."""
+    logits = torch.randn(2, 150_000, generator=torch.Generator().manual_seed(0)) * 3
+    mixed = processed_logprobs(logits, torch.tensor([1.0, 1.0]), torch.tensor([1.0, 0.5]))
+    alone = processed_logprobs(logits[:1], torch.tensor([1.0]), torch.tensor([1.0]))
+    assert torch.isfinite(mixed[0]).all()
+    assert torch.allclose(mixed[0], alone[0], atol=1e-6)
+    assert torch.isinf(mixed[1]).any()
+
+
+def test_a_sampled_token_stays_in_the_nucleus_it_was_drawn_from():
+    """Scoring a token the engine drew (`keep`), a recomputation whose rounding put it just
+    outside the nucleus (bf16) gave it -inf: its importance weight nothing, the token out of
+    the gradient without a word. It keeps a finite log-prob; the other tokens are as before."""
+    logits = torch.tensor([[4.0, 3.0, 2.0, -5.0], [4.0, 3.0, 2.0, -5.0]])
+    cut = processed_logprobs(logits, torch.tensor([1.0, 1.0]), torch.tensor([0.8, 0.8]))
+    kept = processed_logprobs(logits, torch.tensor([1.0, 1.0]), torch.tensor([0.8, 0.8]), keep=torch.tensor([2, 0]))
+    assert math.isinf(cut[0, 2].item()) and math.isfinite(kept[0, 2].item())
+    assert torch.logsumexp(kept[0], -1).item() == pytest.approx(0.0, abs=1e-6)
+    assert math.isinf(kept[0, 3].item())  # only the kept token joins the nucleus
+    assert torch.equal(kept[1], cut[1])  # a token already inside changes nothing
+
+
 def test_groups_batched_together_equal_groups_generated_alone(engine):
     calls: list[int] = []
     hook = engine.model.register_forward_pre_hook(
