@@ -61,21 +61,17 @@ def record_release_metrics(ctx: RunContext, step: StepRow) -> StepMetrics:
     ).one()
     first_reward = session.scalar(_first_attempt_reward(run_id, s))
     trained = session.execute(
-        select(Group.reward_mean, Group.weight_version)
+        select(Group.reward_mean, Group.weight_version, Group.origin_step)
         .join(Slot, Slot.group_attempt_id == Group.attempt_id)
         .where(Slot.run_id == run_id, Slot.step == s)
     ).all()
-    slot_sums = session.execute(
-        select(func.coalesce(func.sum(Slot.borrowed_in), 0), func.coalesce(func.sum(Slot.drops), 0)).where(
-            Slot.run_id == run_id, Slot.step == s
-        )
-    ).one()
-    staleness = [s - v for _, v in trained]
+    drops = session.scalar(select(func.coalesce(func.sum(Slot.drops), 0)).where(Slot.run_id == run_id, Slot.step == s))
+    staleness = [s - v for _, v, _ in trained]
     zero_run, total_run = zero_variance_from_counters(ctx)
     p = zero_run / total_run if total_run else None
     settings = ctx.settings
     metrics = session.get(StepMetrics, (run_id, s)) or StepMetrics(run_id=run_id, step=s)
-    metrics.reward = sum(r for r, _ in trained) / len(trained) if trained else None
+    metrics.reward = sum(r for r, _, _ in trained) / len(trained) if trained else None
     metrics.unfiltered_reward = float(unfiltered) if unfiltered is not None else None
     metrics.first_attempt_reward = float(first_reward) if first_reward is not None else None
     metrics.zero_variance_groups = int(n_zero or 0)
@@ -83,8 +79,11 @@ def record_release_metrics(ctx: RunContext, step: StepRow) -> StepMetrics:
     metrics.filtered_groups = int(filtered or 0)
     metrics.failed_attempts = int(failed or 0)
     metrics.replaced_prompt_groups = int(replaced or 0)
-    metrics.promoted_prompt_groups = int(slot_sums[0])
-    metrics.dropped_prompt_groups = int(slot_sums[1])
+    # Groups generated for a later step that this step trains (borrowed, or an extra of a later
+    # step placed here), by where each was generated: the slots' `borrowed_in` also counted
+    # parked groups of this or an earlier step, and a group borrowed in and lent on again.
+    metrics.promoted_prompt_groups = sum(1 for _, _, origin in trained if origin > s)
+    metrics.dropped_prompt_groups = int(drops or 0)
     metrics.trained_groups = len(trained)
     metrics.spare_pool_size = ctx.spare_count
     metrics.staleness_mean = sum(staleness) / len(staleness) if staleness else None

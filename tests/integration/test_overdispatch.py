@@ -90,6 +90,9 @@ def test_a_parked_group_fills_the_last_open_slot_of_a_step(ledger) -> None:  # t
     # The step is down to its last slot: the parked group fills it rather than wait for (0, 0).
     assert d.slot(0, 0).group_attempt_id == extra.id and not d.group(extra.id).parked
     assert d.step(0).status == "released"
+    # Generated for this very step: not a group promoted from a later one (the slots'
+    # `borrowed_in`, which the metric summed, counts this placement too).
+    assert d.metrics(0).promoted_prompt_groups == 0
 
 
 def test_tail_fraction_sets_how_many_last_slots_may_displace_a_slow_attempt(ledger) -> None:  # type: ignore[no-untyped-def]
