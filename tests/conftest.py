@@ -123,6 +123,17 @@ def pg_url() -> Iterator[str]:
         yield url
 
 
+@pytest.fixture(scope="module")
+def migrated_url() -> Iterator[str]:
+    """A PostgreSQL database of this test module, migrated as `refill db upgrade` does (its
+    views too): the CLI refuses a ledger whose schema Alembic did not make."""
+    from refill.models.migrate import upgrade
+
+    with temporary_pg_database("refill_migrated") as url:
+        upgrade(url)
+        yield url
+
+
 @pytest.fixture
 def pg_ledger(pg_url: str) -> Iterator[Ledger]:
     truncate_all(pg_url)

@@ -44,16 +44,20 @@ def wait_for(ledger, run_id: int, wanted: set[str], fleet: Fleet, timeout: float
     return status
 
 
+def assert_completes_healthy(fleet: Fleet, ledger, run_id: int) -> None:  # type: ignore[no-untyped-def]
+    assert wait_for(ledger, run_id, {"completed", "failed"}, fleet) == "completed"
+    with ledger.session() as session:
+        facts = run_facts(session, run_id)
+    assert_healthy_dynamic_sampling_run(facts, steps=STEPS, n_prompts=16, lookahead=1)
+
+
 def test_a_detached_run_is_driven_by_the_control_workers(running_fleet, fleet_ledger) -> None:
     running_fleet.start("control", name="control-a")
     try:
         run_id = start_detached(running_fleet, "detached")
-        assert wait_for(fleet_ledger, run_id, {"completed", "failed"}, running_fleet) == "completed"
+        assert_completes_healthy(running_fleet, fleet_ledger, run_id)
     finally:
         running_fleet.kill("control-a", sig=15)
-    with fleet_ledger.session() as session:
-        facts = run_facts(session, run_id)
-    assert_healthy_dynamic_sampling_run(facts, steps=STEPS, n_prompts=16, lookahead=1)
     assert "drive_run" in running_fleet.log("control-a")
 
 
@@ -73,9 +77,6 @@ def test_a_detached_run_stopped_before_a_control_worker_took_it_stays_stopped(ru
         assert "sent to start it, not to resume it" in running_fleet.log("control-b")
         assert status_of(fleet_ledger, run_id) == "stopped"
         refill(running_fleet, "run", "resume", str(run_id), "--detach")
-        assert wait_for(fleet_ledger, run_id, {"completed", "failed"}, running_fleet) == "completed"
+        assert_completes_healthy(running_fleet, fleet_ledger, run_id)
     finally:
         running_fleet.kill("control-b", sig=15)
-    with fleet_ledger.session() as session:
-        facts = run_facts(session, run_id)
-    assert_healthy_dynamic_sampling_run(facts, steps=STEPS, n_prompts=16, lookahead=1)

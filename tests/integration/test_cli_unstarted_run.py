@@ -6,21 +6,11 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 
 import pytest
 
 from refill.models.db import Ledger
-from refill.models.migrate import upgrade
-from tests.support.databases import temporary_pg_database
 from tests.support.driver import Driver
-
-
-@pytest.fixture(scope="module")
-def migrated_url() -> Iterator[str]:
-    with temporary_pg_database("refill_tail") as url:
-        upgrade(url)
-        yield url
 
 
 @pytest.fixture(scope="module")

@@ -13,17 +13,7 @@ from typer.testing import CliRunner
 from refill.admin.cli import app
 from refill.models.clock import set_clock_offset
 from refill.models.db import Ledger
-from refill.models.migrate import upgrade
-from tests.support.databases import temporary_pg_database
 from tests.support.driver import Driver
-
-
-@pytest.fixture(scope="module")
-def migrated_url() -> Iterator[str]:
-    """The CLI refuses a ledger that `refill db upgrade` did not make."""
-    with temporary_pg_database("refill_stop") as url:
-        upgrade(url)
-        yield url
 
 
 @pytest.fixture
