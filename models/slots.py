@@ -9,6 +9,7 @@ dispatched EXTRA attempts serve a step without a slot. All functions run inside 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
@@ -36,6 +37,8 @@ from refill.models.tables import (
 LIVE = tuple(s.value for s in AttemptState.live())
 _attempts = Attempt.__table__
 _RUNNING = AttemptState.RUNNING.value
+
+log = logging.getLogger(__name__)
 
 
 class RunFailed(Exception):
@@ -206,7 +209,11 @@ def replace(ctx: RunContext, slot: SlotRow, *, after_filter: bool) -> None:
         slot.drop_replacements += 1
     slot.needs_replacement = True
     view = SlotView(slot.step, slot.idx, True)
-    lender = ctx.sampler.lender(view, lender_candidates(ctx, slot.step))
+    offered = lender_candidates(ctx, slot.step)
+    lender = ctx.sampler.lender(view, offered)
+    if lender is not None and lender.attempt_id not in {g.attempt_id for g in offered}:
+        _sampler_broke_contract(ctx, "lender", lender, None)
+        lender = None
     spare_available = ctx.spare_count > 0 or not ctx.run.loader_exhausted
     source = decisions.replacement_source(lender is not None, spare_available)
     if source is decisions.Source.BORROW:
@@ -330,6 +337,11 @@ def place(ctx: RunContext, group: GroupRow, own: SlotRow | None, candidates: Seq
     own_view = SlotView(own.step, own.idx, own.needs_replacement) if own is not None else None
     for _ in range(8):
         choice = ctx.sampler.place(view, own_view, candidates)
+        if choice is not None and not _was_offered(choice, own, candidates):
+            # Only the candidates are within the staleness bound and open: a custom sampler
+            # that answers otherwise would train a group too stale, or fill a released step.
+            _sampler_broke_contract(ctx, "place", choice, group.attempt_id)
+            choice = None
         if choice is None:
             park(ctx, group)
             return None
@@ -354,6 +366,30 @@ def place(ctx: RunContext, group: GroupRow, own: SlotRow | None, candidates: Seq
         return own
     park(ctx, group)
     return None
+
+
+def _was_offered(choice: SlotView, own: SlotRow | None, candidates: Sequence[SlotView]) -> bool:
+    if choice in candidates:  # what the built-in samplers answer: found by identity at once
+        return True
+    key = (choice.step, choice.idx)
+    if own is not None and key == (own.step, own.idx):
+        return True
+    return any((c.step, c.idx) == key for c in candidates)
+
+
+def _sampler_broke_contract(ctx: RunContext, method: str, answer: Any, attempt_id: int | None) -> None:
+    """A sampler's `place` or `lender` answered with something it was not offered: taken as
+    None (the group parks; the slot gets a spare prompt), and said, since only a custom sampler
+    can do it and its author needs to know."""
+    log.warning(
+        "run %s: the sampler's %s answered %r%s, which was not among what it was offered; "
+        "taken as None (async_rl.sampler: `place` must return one of `candidates` or `own`, "
+        "`lender` one of its `candidates`)",
+        ctx.run.id,
+        method,
+        answer,
+        f" for attempt {attempt_id}" if attempt_id is not None else "",
+    )
 
 
 def park(ctx: RunContext, group: GroupRow) -> None:

@@ -42,10 +42,6 @@ from refill.models.tables import (
 )
 
 
-class StalenessViolation(RuntimeError):
-    pass
-
-
 @dataclass(frozen=True)
 class _Stored:
     """A claimed group whose payload is still in the run's payload store."""
@@ -126,6 +122,24 @@ def claim_training(
                 )
             except RunFailed:
                 return None
+        # Plain rows, not Group objects: the step's groups are read once, under the run's lock,
+        # and the session need not track thousands of large rows it never changes. Read before
+        # the claim is written: a group too stale fails the run, and the step stays as it was.
+        rows = driver.rows(session, *sql.step_groups(run_id, step))
+        for group in rows:
+            if decisions.staleness(step, group.weight_version) > ctx.settings.max_lookahead_versions:
+                # Every placement is checked against the bound, so only a ledger edited by hand
+                # (or a bug) gets here; retrying the claim would meet it again, forever.
+                try:
+                    fail_run(
+                        ctx,
+                        f"group {group.attempt_id} was generated with weights v{group.weight_version}, "
+                        f"staler than max_lookahead_versions={ctx.settings.max_lookahead_versions} for "
+                        f"step {step}; refusing to train it",
+                        "staleness_violated",
+                    )
+                except RunFailed:
+                    return None
         row.status = StepStatus.TRAINING.value
         row.trainer_id = trainer_id[:200]
         row.trainer_lease_until = ctx.now + timedelta(seconds=ctx.settings.trainer_lease_seconds)
@@ -139,18 +153,9 @@ def claim_training(
                 since = previous.trained_at if previous is not None else ctx.run.started_at
                 idle = seconds_between(since, row.released_at)
                 metrics.trainer_idle_seconds = max(0.0, idle) if idle is not None else None
-        # Plain rows, not Group objects: the step's groups are read once, under the run's lock,
-        # and the session need not track thousands of large rows it never changes.
-        rows = driver.rows(session, *sql.step_groups(run_id, step))
         groups: list[TrainGroup | _Stored] = []
         for group in rows:
             rewards = read_json(group.rewards)
-            if decisions.staleness(step, group.weight_version) > ctx.settings.max_lookahead_versions:
-                raise StalenessViolation(
-                    f"group {group.attempt_id} was generated with weights v{group.weight_version}, "
-                    f"staler than max_lookahead_versions={ctx.settings.max_lookahead_versions} for "
-                    f"step {step}; refusing to train it"
-                )
             if group.payload_ref is not None:
                 ref = PayloadRef(group.payload_ref, group.payload_bytes, group.payload_checksum)
                 stored = StoredGroup(group.attempt_id, ref, len(rewards), group.num_tokens)

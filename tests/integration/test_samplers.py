@@ -136,3 +136,19 @@ def test_custom_sampler_from_the_config(ledger, custom_sampler: str) -> None:  #
     assert d.live_of(0, 0).reason == "filter_replacement"
     d.fill_step(0)
     assert d.layout(0) == [("committed", 8), ("committed", 1), ("committed", 2), ("committed", 3)]
+
+
+def test_a_custom_sampler_answering_outside_its_offer_is_not_followed(ledger, caplog) -> None:  # type: ignore[no-untyped-def]
+    """`place` only checked that the slot it named was open: a custom sampler could put a group
+    in a step beyond the staleness bound, and `lender` could name any group. Such an answer is
+    taken as None (the group parks; the slot takes a spare prompt), with a warning."""
+    d = run_with(ledger, "custom", import_path="tests.support.samplers:BeyondTheOffer")
+    d.admit()
+    with caplog.at_level("WARNING", logger="refill.models.slots"):
+        g = d.commit_slot(0, 0)
+        assert d.group(g.attempt_id).parked and d.slot(0, 0).group_attempt_id is None
+        d.filter_slot(0, 1)
+    warnings = [r.getMessage() for r in caplog.records if "was not among what it was offered" in r.getMessage()]
+    assert any("sampler's place answered" in w for w in warnings), warnings
+    assert any("sampler's lender answered" in w for w in warnings), warnings
+    assert d.live_of(0, 1).reason == "filter_replacement"  # a spare prompt, not a phantom loan

@@ -6,7 +6,6 @@ import pytest
 
 from refill.models.results import Outcome
 from refill.models.tables import Group
-from refill.models.training import StalenessViolation
 from tests.support.driver import Driver
 
 
@@ -84,6 +83,10 @@ def test_trainer_refuses_a_stale_group_it_finds_in_the_ledger(ledger) -> None:  
         session.get(Group, victim).weight_version = -1
 
     ledger.transaction(tamper)
-    with pytest.raises(StalenessViolation, match=f"group {victim} was generated with weights v-1"):
-        d.claim(1)
+    # It raised in the claim's transaction, which rolled back: the trainer got the step sent
+    # again and met the same group, forever. The run fails, naming the group.
+    assert d.claim(1) is None
+    run = d.run()
+    assert (run.status, run.end_reason) == ("failed", "staleness_violated")
+    assert f"group {victim} was generated with weights v-1" in run.error
     assert d.step(1).status == "released"  # the refused claim changed nothing
