@@ -15,12 +15,14 @@ DATABASE_URL_ENV = "REFILL_DATABASE_URL"
 BROKER_URL_ENV = "REFILL_BROKER_URL"
 EMBEDDED_BROKER_URL = "memory://"
 
-# The password runs from the first ':' after the user to the URL's last '@' (before a ';' or ','
-# that starts the next URL of a list): a password holding '/' or an '@' that was not
-# percent-encoded is hidden as a whole. SQLAlchemy's grammar ends it at the first '@' (and takes
-# the rest for the host), so hiding only that far showed the password's tail in every error
-# that named the host.
-_URL_USERINFO = re.compile(r"(?P<head>[A-Za-z][\w+.\-]*://[^:/@\s;,]*:)(?P<secret>[^\s;,]*)(?P<at>@)")
+# The password runs from the first ':' after the user to the '@' before the host, as in
+# SQLAlchemy's grammar (so one holding '/' is hidden whole), and on across any further '@' of
+# the authority: a password with an '@' that was not percent-encoded is hidden whole too.
+# SQLAlchemy takes the text after its first '@' for the host, so hiding only that far showed
+# the password's tail in every error that named the host. An '@' in the query is not crossed.
+_URL_USERINFO = re.compile(
+    r"(?P<head>[A-Za-z][\w+.\-]*://[^:/@\s;,]*:)(?P<secret>[^@\s;,]*(?:@[^@\s;,/?#]*(?=@))*)(?P<at>@)"
+)
 _URL_QUERY_SECRET = re.compile(
     r"(?P<head>[?&](?:password|passwd|pass|sslpassword|secret|token|api_key)=)(?P<secret>[^&#\s]*)",
     re.IGNORECASE,

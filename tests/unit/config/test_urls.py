@@ -18,6 +18,7 @@ from .helpers import build
         ("amqp://guest:guest@rabbit:5672//", "amqp://guest:***@rabbit:5672//"),
         ("postgresql://u:pa/ss@h/db", "postgresql://u:***@h/db"),
         ("postgresql://u:s3c@ret@h/db", "postgresql://u:***@h/db"),  # an '@' not written %40
+        ("postgresql://u:pw@h/db?application_name=a@b", "postgresql://u:***@h/db?application_name=a@b"),
         ("postgresql://h/db?user=u&password=pw&sslmode=require", "postgresql://h/db?user=u&password=***&sslmode=require"),
         ("redis://:a@h1:6379/0;redis://:b@h2:6379/0", "redis://:***@h1:6379/0;redis://:***@h2:6379/0"),
         ("postgresql+psycopg://postgres@127.0.0.1:5432/refill", "postgresql+psycopg://postgres@127.0.0.1:5432/refill"),
