@@ -42,12 +42,14 @@ class Sampler(Protocol):
     def place(self, group: GroupView, own: SlotView | None, open_slots: Sequence[SlotView]) -> SlotView | None:
         """The slot a newly committed group fills: `own` (the slot its attempt served, None for
         an over-dispatched extra), one of `open_slots` (open slots of earlier or equal steps
-        the group may fill, sorted by step then index), or None to park it as surplus."""
+        the group may fill, sorted by step then index), or None to park it as surplus. Any
+        other answer is taken as None, with a warning (`slots.place`)."""
 
     def lender(self, slot: SlotView, candidates: Sequence[GroupView]) -> GroupView | None:
         """A committed group to move into `slot` (which needs a replacement), from
         `candidates` (parked groups and groups of later, unreleased steps, all within the
-        staleness bound of `slot`), or None to dispatch a spare prompt instead."""
+        staleness bound of `slot`), or None to dispatch a spare prompt instead. A group not
+        among `candidates` is taken as None, with a warning (`slots.replace`)."""
 
 
 def _prefer_parked_then_latest(candidates: Sequence[GroupView]) -> GroupView | None:
