@@ -32,6 +32,7 @@ from refill.models.overdispatch import Counted, counted, counts_read, place_extr
 from refill.models.payload import ClaimCheckResult, ResultMessage
 from refill.models.rows import AttemptRow, GroupRow, Read, SlotRow
 from refill.models.slots import (
+    ERROR_CHARS,
     LIVE,
     RunFailed,
     aimed_slot,
@@ -53,6 +54,9 @@ from refill.models.tables import (
 )
 
 log = logging.getLogger(__name__)
+
+#: What an infra-failure report without a message is recorded as.
+INFRA_ERROR_DEFAULT = "engine error"
 
 
 class Outcome(enum.StrEnum):
@@ -183,6 +187,17 @@ def _reject(
     return Recorded(result.attempt_id, outcome, detail)
 
 
+def _same_failure_report(attempt: AttemptRow, result: ResultMessage) -> bool:
+    """Whether `result` is the worker's own infra-failure report that failed `attempt`, come
+    again (delivery is at least once): a duplicate, where an attempt the reaper failed (its
+    lease expired, its message was lost) records the reaper's reason and any result is late."""
+    return (
+        result.error_kind == FailureKind.INFRA.value
+        and result.worker == attempt.worker
+        and attempt.error == (result.error or INFRA_ERROR_DEFAULT)[:ERROR_CHARS]
+    )
+
+
 def _record_one(ctx: RunContext, attempt: AttemptRow | None, result: ResultMessage) -> Recorded:
     session, now = ctx.session, ctx.now
     if attempt is None:
@@ -193,6 +208,7 @@ def _record_one(ctx: RunContext, attempt: AttemptRow | None, result: ResultMessa
         late = attempt.state == AttemptState.CANCELLED.value or (
             attempt.state == AttemptState.FAILED.value
             and attempt.failure_kind == FailureKind.INFRA.value
+            and not _same_failure_report(attempt, result)
         )
         reason = RejectReason.LATE if late else RejectReason.DUPLICATE
         return _reject(session, result, reason, f"attempt is already {attempt.state}", now)
@@ -231,7 +247,7 @@ def _outcome_of(attempt: AttemptRow) -> Outcome:
 def _apply(ctx: RunContext, attempt: AttemptRow, result: ResultMessage) -> Recorded:
     settings = ctx.settings
     if result.error_kind == "infra":
-        infra_failure(ctx, attempt, result.error or "engine error")
+        infra_failure(ctx, attempt, result.error or INFRA_ERROR_DEFAULT)
         return Recorded(attempt.id, Outcome.FAILED, "infra")
     if result.error_kind == "data":
         data_failure(ctx, attempt, result.error or "data error")

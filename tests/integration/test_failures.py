@@ -276,3 +276,30 @@ def test_failure_of_an_attempt_whose_retry_is_in_backoff_waits(ledger, kind: str
         assert live.available_at == d.now + timedelta(seconds=2)
     else:
         assert live.available_at == d.now and live.reason == "drop_replacement"
+
+
+def test_a_failure_report_delivered_twice_is_a_duplicate_and_one_after_the_reaper_is_late(ledger) -> None:  # type: ignore[no-untyped-def]
+    """Every result for an attempt failed as infra was recorded as late, so the broker's
+    second delivery of a worker's own failure report showed as lease trouble that never
+    happened (`rejected_results`, `refill workers`)."""
+    from refill.models.payload import ResultMessage
+
+    d = Driver(ledger)
+    d.admit()
+    d.relay()
+    reported = d.live_of(0, 1)
+    assert d.fail(reported.id, error="CUDA error: an illegal memory access").outcome is Outcome.FAILED
+
+    def report(attempt_id: int, error: str) -> Outcome:
+        message = ResultMessage(run_id=d.run_id, attempt_id=attempt_id, worker=d.worker, weight_version=0,
+                                error_kind="infra", error=error)
+        return d.record(message).outcomes[0].outcome
+
+    assert report(reported.id, "CUDA error: an illegal memory access") is Outcome.DUPLICATE
+    # The reaper failed this one: the worker's report comes after it, late.
+    reaped = d.live_of(0, 2)
+    d.start(reaped.id)
+    d.tick(61)
+    assert d.reap().attempts == 1
+    assert report(reaped.id, "CUDA error: an illegal memory access") is Outcome.LATE
+    assert d.record(d.result(reaped.id, [0.0, 1.0, 0.0, 1.0])).outcomes[0].outcome is Outcome.LATE
