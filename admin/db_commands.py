@@ -100,7 +100,7 @@ def roles(
     from sqlalchemy import text
     from sqlalchemy.exc import OperationalError, ProgrammingError
 
-    from refill.admin.ledger_access import ledger_at, ledger_url
+    from refill.admin.ledger_access import cannot_reach, ledger_at, ledger_url
 
     url = ledger_url(database_url)
     ledger = ledger_at(url)
@@ -127,7 +127,7 @@ def roles(
             # revoke (the fleet's own roles may create through it).
             can_create = conn.scalar(text("SELECT has_schema_privilege(:n, 'public', 'CREATE')"), {"n": reader})
     except OperationalError as error:
-        fail(f"cannot reach the ledger at {redact_url(url)}: {str(error.orig).splitlines()[0]}", EXIT_BAD_INPUT)
+        cannot_reach(url, error)
     except ProgrammingError as error:
         fail(f"cannot set up roles on {redact_url(url)}: {str(error.orig).splitlines()[0]}", EXIT_BAD_INPUT)
     finally:

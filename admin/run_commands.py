@@ -199,9 +199,9 @@ def _drive(
         if embedded:
             if detach:
                 fail("--detach needs a fleet (REFILL_BROKER_URL); an embedded run lives in this process", EXIT_BAD_INPUT)
-            from refill.tasks.embedded import embedded_fleet, fleet_options
+            from refill.tasks.embedded import embedded_fleet
 
-            runtime = stack.enter_context(embedded_fleet(ledger.url, **fleet_options(config)))
+            runtime = stack.enter_context(embedded_fleet(ledger.url, config))
             ledger, app = runtime.ledger, runtime.app
         else:
             app = make_app(broker_url)

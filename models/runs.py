@@ -251,18 +251,14 @@ def stop_run(session: Session, run_id: int, now: datetime | None = None) -> int:
     of a `--detach` start that is still queued then leaves it alone (`start_run`'s
     `created_only`), and `refill run resume` starts it."""
     with RunContext.open(session, run_id, now) as ctx:
-        if ctx.run.status == RunStatus.CREATED.value:
-            ctx.run.status = RunStatus.STOPPED.value
-            ctx.run.end_reason = "stopped"
-            ctx.run.finished_at = ctx.now
-            return 0
-        if not ctx.running:
+        running = ctx.running
+        if not running and ctx.run.status != RunStatus.CREATED.value:
             return 0
         ctx.run.status = RunStatus.STOPPED.value
         ctx.run.end_reason = "stopped"
         ctx.run.finished_at = ctx.now
         ctx.run.controller_id = None
-        return cancel_live_attempts(ctx, "run stopped")
+        return cancel_live_attempts(ctx, "run stopped") if running else 0
 
 
 def check_run(session: Session, run_id: int, now: datetime | None = None) -> str:

@@ -211,7 +211,8 @@ def replace(ctx: RunContext, slot: SlotRow, *, after_filter: bool) -> None:
     view = SlotView(slot.step, slot.idx, True)
     offered = lender_candidates(ctx, slot.step)
     lender = ctx.sampler.lender(view, offered)
-    if lender is not None and lender.attempt_id not in {g.attempt_id for g in offered}:
+    # By identity first (what the built-in samplers answer), not a set built per replacement.
+    if lender is not None and lender not in offered:
         _sampler_broke_contract(ctx, "lender", lender, None)
         lender = None
     spare_available = ctx.spare_count > 0 or not ctx.run.loader_exhausted

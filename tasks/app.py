@@ -30,6 +30,7 @@ from typing import Any
 from celery import Celery
 from kombu import Exchange, Queue
 
+from refill.config.environment import positive_int
 from refill.tasks.queues import CONTROL, QUEUES, ROUTES
 
 EMBEDDED_BROKER = "memory://"
@@ -60,19 +61,9 @@ def event_settings(enabled: bool) -> dict[str, bool]:
 def visibility_timeout_seconds() -> int:
     """REFILL_VISIBILITY_TIMEOUT (seconds), or its default; a value that is not a positive
     integer is refused, naming it."""
-    raw = os.environ.get("REFILL_VISIBILITY_TIMEOUT", "").strip()
-    if not raw:
-        return DEFAULT_VISIBILITY_TIMEOUT
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(
-            f"REFILL_VISIBILITY_TIMEOUT={raw!r}: must be a positive integer, seconds a message taken "
-            f"by a worker that died stays invisible (default {DEFAULT_VISIBILITY_TIMEOUT})"
-        )
-    return value
+    return positive_int(
+        "REFILL_VISIBILITY_TIMEOUT", DEFAULT_VISIBILITY_TIMEOUT, "seconds a message taken by a worker that died stays invisible"
+    )
 
 
 def celery_settings(broker_url: str, key_prefix: str | None = None) -> dict[str, Any]:

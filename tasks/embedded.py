@@ -50,26 +50,19 @@ def fleet_options(config: Any) -> dict[str, Any]:
 @contextmanager
 def embedded_fleet(
     database_url: str,
+    config: Any = None,
     *,
-    generate_concurrency: int | None = None,
-    consume_concurrency: int | None = None,
-    consume_wait_ms: float | None = None,
     broker_url: str = EMBEDDED_BROKER,
     loglevel: str = "WARNING",
 ) -> Iterator[Runtime]:
     """Start a worker thread for the generate, consume and train roles; yield the runtime.
 
-    The consumer commits up to `consume_concurrency` results together (its threads, and its
-    batch's bound), waiting at most `consume_wait_ms` after the first. What is not given is
-    the config schema's default (`fleet_options`)."""
+    Sized by the run's `config` (a `RunConfig`; None: the schema's defaults, `fleet_options`):
+    the consumer commits up to `infra.consumer_batch_size` results together (its threads, and
+    its batch's bound), waiting at most `infra.consumer_batch_wait_ms` after the first."""
     from refill.config import from_snapshot
 
-    given = {
-        "generate_concurrency": generate_concurrency,
-        "consume_concurrency": consume_concurrency,
-        "consume_wait_ms": consume_wait_ms,
-    }
-    sizes = {**fleet_options(from_snapshot({})), **{k: v for k, v in given.items() if v is not None}}
+    sizes = fleet_options(config if config is not None else from_snapshot({}))
     app: Celery = make_app(broker_url, name="refill-embedded")
     consumer_batch = (sizes["consume_concurrency"], sizes["consume_wait_ms"])
     runtime = install_runtime(app, Runtime(app, database_url, worker_name="embedded", consumer_batch=consumer_batch))

@@ -14,13 +14,13 @@ in flight, not a run's history.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Iterable
 from datetime import timedelta
 
 from celery import Celery
 
+from refill.config.environment import positive_int
 from refill.models.clock import ledger_now_in
 from refill.models.db import Ledger
 from refill.models.outbox import Outgoing, claim_outbox, mark_sent, prune_relayed
@@ -50,16 +50,7 @@ _pruned_at: dict[int, float] = {}  # run -> monotonic time of its last prune, in
 
 def queued_per_share() -> int:
     """REFILL_QUEUED_PER_SHARE, or its default; a value that is not a positive integer is refused."""
-    raw = os.environ.get(QUEUED_PER_SHARE_ENV, "").strip()
-    if not raw:
-        return DEFAULT_QUEUED_PER_SHARE
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"{QUEUED_PER_SHARE_ENV}={raw!r}: must be a positive integer (attempts per unit of run.share)")
-    return value
+    return positive_int(QUEUED_PER_SHARE_ENV, DEFAULT_QUEUED_PER_SHARE, "attempts per unit of run.share")
 
 
 def publish(app: Celery, messages: Iterable[Outgoing]) -> int:
