@@ -1,5 +1,5 @@
-"""The invariants of a run's history: contiguous weight versions, the outbox messages each
-attempt and step needs, and the spare pool's takers.
+"""The invariants of a run's history: contiguous weight versions, the messages each step
+needs, and the spare pool's takers.
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from sqlalchemy import and_, select
 from refill.admin.invariant_types import Context, Violation
 from refill.models.tables import (
     Attempt,
-    AttemptState,
     Outbox,
     OutboxKind,
     RunStatus,
@@ -72,28 +71,10 @@ def check_weight_versions(ctx: Context) -> list[Violation]:
 
 
 def check_messages(ctx: Context) -> list[Violation]:
-    """A pending attempt has an unsent generate message (else nothing will ever run it and its
-    slot is stuck); a released step has its metrics; while the run runs, a step due for
-    training had a train_step message."""
+    """A released step has its metrics; while the run runs, a step due for training had a
+    train_step message. (A pending attempt is its own generate message: nothing to check.)"""
     s, run, out = ctx.session, ctx.run, []
     name = "outbox"
-    unsent = select(Outbox.attempt_id).where(
-        Outbox.run_id == run.id, Outbox.kind == OutboxKind.GENERATE.value, Outbox.sent_at.is_(None)
-    )
-    for attempt_id, step, idx in s.execute(
-        select(Attempt.id, Attempt.step, Attempt.slot_idx)
-        .where(Attempt.run_id == run.id, Attempt.state == AttemptState.PENDING.value, ~Attempt.id.in_(unsent))
-        .order_by(Attempt.id)
-    ).all():
-        out.append(
-            ctx.violation(
-                name,
-                "pending attempt has no unsent generate message: nothing will ever send it",
-                step=step,
-                slot=idx,
-                attempt=attempt_id,
-            )
-        )
     for step in s.scalars(
         select(Step.step)
         .outerjoin(StepMetrics, and_(StepMetrics.run_id == Step.run_id, StepMetrics.step == Step.step))

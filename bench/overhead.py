@@ -4,8 +4,8 @@ One step of `--groups` (4096) groups at zero-variance fraction `--p` (0.33), wit
 generation latency, driven through the ledger API in this process on a fresh PostgreSQL
 database (no broker, no workers), the way the fleet's roles call it:
 
-admission   `admit_steps` (the controller): the step's slots, first attempts, extras (adaptive
-            over-dispatch) and outbox rows, and the spare pool
+admission   `admit_steps` (the controller): the step's slots, first attempts and extras
+            (adaptive over-dispatch), and the spare pool
 relay       `claim_outbox` + `mark_sent` (the relay), every generate message of the step,
             replacements included, `--relay-batch` rows per transaction (the controller's
             relay takes up to 1000; the consumer relays what each batch wrote), passes until
@@ -262,7 +262,7 @@ def one_step(
                     profile.enable()
                 with timers.time("relay"):
                     sent = ledger.transaction(
-                        lambda s: _relay(s, claim_outbox, mark_sent, args.relay_batch)
+                        lambda s: _relay(s, claim_outbox, mark_sent, args.relay_batch, run_id)
                     )
                 if profile is not None and phase == "relay":
                     profile.disable()
@@ -370,12 +370,13 @@ def _lengths(result: Any) -> list[int]:
 SAMPLES = 64
 
 
-def _relay(session, claim_outbox, mark_sent, limit):  # type: ignore[no-untyped-def]
+def _relay(session, claim_outbox, mark_sent, limit, run_id):  # type: ignore[no-untyped-def]
     from refill.models.context import utcnow
 
     now = utcnow()
-    # As the fleet's relay (refill.tasks.relay): marked sent in this transaction, no claim first.
-    sent = claim_outbox(session, claimer="bench-relay", now=now, limit=limit, claim_seconds=None)
+    # As the controller's relay (refill.tasks.relay): the run's due messages, marked sent in
+    # this transaction, no claim first.
+    sent = claim_outbox(session, claimer="bench-relay", now=now, limit=limit, run_id=run_id, claim_seconds=None)
     mark_sent(session, sent, now)
     return sent
 
@@ -408,7 +409,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--tokens", type=int, default=8, help="tokens per completion (the sim back-end's default 8; real rollouts run to thousands)"
     )
     parser.add_argument("--batch", type=int, default=64, help="results per consumer transaction")
-    parser.add_argument("--relay-batch", type=int, default=1000, help="outbox rows per relay transaction")
+    parser.add_argument("--relay-batch", type=int, default=1000, help="messages per relay transaction")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--no-over-dispatch", action="store_true", help="turn adaptive over-dispatch off")
     parser.add_argument(

@@ -2,8 +2,7 @@
 
 The production ledger on a fresh PostgreSQL database (migrated as `refill db upgrade` does, so
 with every index and view), driven in virtual time by `bench/virtual_fleet.py` (as `bench fill`
-drives it): admission, the relay (with the production relay's pruning of relayed outbox rows),
-lease handshakes, `record_results` with borrowing, over-dispatch and the barrier, training
+drives it): admission, the relay, lease handshakes, `record_results` with borrowing, over-dispatch and the barrier, training
 claims and weight versions, the reaper. Generation costs nothing (the `sim` engine reports the
 latency it drew), so the wall time measured is the ledger's.
 
@@ -54,9 +53,7 @@ from bench.machine import process_cpu  # noqa: E402
 from bench.virtual_fleet import RefillPolicy, Scenario, VirtualFleet  # noqa: E402
 from refill.models.admission import admit_steps  # noqa: E402
 from refill.models.migrate import upgrade  # noqa: E402
-from refill.models.outbox import prune_relayed  # noqa: E402
 from refill.tasks.backends.sim import Latency  # noqa: E402
-from refill.tasks.relay import PRUNE_EVERY_SECONDS, RELAYED_KEPT_SECONDS  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -124,7 +121,6 @@ class ScaleFleet(VirtualFleet):
         self._marks = (0, 0, 0.0, 0.0, time.perf_counter())  # results, steps, ledger wall, cpu, wall
         self._ops: dict[str, float] = {}
         self._rows = 0
-        self._pruned_at = 0.0
 
     def tx(self, what, fn):  # type: ignore[no-untyped-def]
         # Single-threaded: this thread's CPU time inside a transaction is the ledger's Python
@@ -136,15 +132,6 @@ class ScaleFleet(VirtualFleet):
             self.ledger_cpu += time.thread_time() - began
 
     # --- what the production roles do beyond the virtual fleet --------------------------
-
-    def relay(self) -> None:
-        super().relay()
-        # The controller's relay deletes a run's relayed generate rows a minute after they
-        # went out (refill.tasks.relay), every PRUNE_EVERY_SECONDS.
-        if self.now - self._pruned_at >= PRUNE_EVERY_SECONDS:
-            self._pruned_at = self.now
-            cutoff = self.at(self.now - RELAYED_KEPT_SECONDS)
-            self.tx("prune outbox", lambda s: prune_relayed(s, self.run_id, cutoff))
 
     def consume(self) -> None:
         self.results += len(self.inbox)
@@ -425,7 +412,7 @@ def broker_main(redis_url: str, count: int, tokens: int) -> int:
             row={"prompt": f"What is {i} + {i * 7}?", "answer": str(8 * i)}, n=16, temperature=1.0, top_p=1.0,
             max_new_tokens=tokens, seed=i, min_weight_version=0,
         ).to_json()
-        return Outgoing(i, "generate", "generate", 1, body)
+        return Outgoing("generate", "generate", 1, body)
 
     def measured(send) -> float:  # type: ignore[no-untyped-def]
         before = int(client.info("memory")["used_memory"])

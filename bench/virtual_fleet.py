@@ -5,7 +5,7 @@ against a real ledger (SQLite in memory by default; any SQLAlchemy URL works) th
 ledger operations the Celery tasks call:
 
 - controller: `admit_steps` at start, `claim_outbox` + `mark_sent` after every operation that
-  wrote outbox rows (the relay), `expire_leases` every `reap_every` virtual seconds;
+  made attempts or train_step rows (the relay), `expire_leases` every `reap_every` virtual seconds;
 - generation workers: `W` workers with `C` groups in flight each, one FIFO of relayed
   `generate` messages; a worker takes the lease (`start_attempts`, with the weight version its
   engine holds: the newest published one; the handshakes of one moment in one statement, as a
@@ -297,7 +297,7 @@ class VirtualFleet:
     # --- roles ---------------------------------------------------------------------------
 
     def relay(self) -> None:
-        """The outbox relay: every due row, marked sent in the transaction that read it (as the
+        """The relay: every due message of the run, marked sent in the transaction that read it (as the
         fleet's relay does: no claim written first), then delivered."""
 
         def go(session: Session) -> list:

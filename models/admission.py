@@ -12,23 +12,24 @@ from refill.models import decisions
 from refill.models.context import RunContext
 from refill.models.dataloader import add_to_pool, draw, refill_spare_pool
 from refill.models.driver import insert_rows
+from refill.models.outbox import ToSend
 from refill.models.overdispatch import top_up
 from refill.models.rows import StepRow
-from refill.models.slots import attempt_values, generate_outbox_values
-from refill.models.tables import Attempt, AttemptReason, Outbox, Slot, SlotStatus, StepStatus
+from refill.models.slots import attempt_values
+from refill.models.tables import Attempt, AttemptReason, Slot, SlotStatus, StepStatus
 
 
 @dataclass
 class Admitted:
     steps: list[int] = field(default_factory=list)
-    outbox_ids: list[int] = field(default_factory=list)
+    to_send: ToSend = field(default_factory=ToSend)
 
 
 def admit_steps(session: Session, run_id: int, now: datetime | None = None) -> Admitted:
     """Admit every step the gate allows; draw the spare pool up to its mark."""
     with RunContext.open(session, run_id, now) as ctx:
         steps = admit(ctx)
-    return Admitted(steps=steps, outbox_ids=ctx.outbox_ids)
+    return Admitted(steps=steps, to_send=ctx.to_send)
 
 
 def admit(ctx: RunContext) -> list[int]:
@@ -59,9 +60,9 @@ def admit(ctx: RunContext) -> list[int]:
 
 
 def open_step(ctx: RunContext, step: int, prompt_ids: list[int]) -> StepRow:
-    """The step's row, its slots, each slot's first attempt and that attempt's outbox row.
+    """The step's row, its slots and each slot's first attempt (pending: its generate message).
 
-    The slots, attempts and outbox rows are written as three bulk inserts without ORM
+    The slots and attempts are written as two bulk inserts without ORM
     objects: for a step of thousands of prompts, building and flushing an object per row was
     most of the cost of admission (`python -m bench overhead --profile admission`). What reads
     them later in the transaction (over-dispatch's top-up) loads them from the database, as
@@ -103,15 +104,13 @@ def open_step(ctx: RunContext, step: int, prompt_ids: list[int]) -> StepRow:
             for idx, prompt_id in enumerate(prompt_ids)
         ],
     )
-    attempt_ids = ctx.ids.insert(
-        Attempt.__table__,
-        [
-            attempt_values(ctx, step=step, slot_idx=idx, prompt_id=prompt_id, reason=AttemptReason.FIRST, available=now)
-            for idx, prompt_id in enumerate(prompt_ids)
-        ],
-    )
-    outbox = generate_outbox_values(ctx, now)
-    ctx.bulk_outbox_ids.extend(
-        ctx.ids.insert(Outbox.__table__, [{**outbox, "attempt_id": attempt_id} for attempt_id in attempt_ids])
+    ctx.made_attempts.extend(
+        ctx.ids.insert(
+            Attempt.__table__,
+            [
+                attempt_values(ctx, step=step, slot_idx=idx, prompt_id=prompt_id, reason=AttemptReason.FIRST, available=now)
+                for idx, prompt_id in enumerate(prompt_ids)
+            ],
+        )
     )
     return row

@@ -3,8 +3,7 @@
 A `RunContext` is what every ledger operation that changes scheduling state works through:
 the locked run row, its settings and sampler, the transaction's clock, the rows it reads and
 makes (`rows`, a `models.rows.RowStore`: plain rows read and written with Core, see there why),
-and the outbox rows it wrote (so a caller can relay them at once after commit instead of
-waiting for the relay's next tick).
+and what it left to send (`to_send`: relayed at once after commit, not at the relay's next tick).
 
 An operation runs inside `with RunContext.open(session, run_id) as ctx:`; the block's end
 writes what it changed (`flush`, also called before a query that must see those changes).
@@ -38,6 +37,7 @@ from refill.models.db import lock_run
 from refill.models.driver import insert_rows
 from refill.models.ids import IdBlocks
 from refill.models.joint_read import When, column_keys, condition
+from refill.models.outbox import ToSend
 from refill.models.rows import (
     AttemptRow,
     GroupRow,
@@ -102,8 +102,8 @@ class RunContext:
     #: the slots, attempts, groups and spare prompts this operation read or made
     rows: RowStore = field(default=None)  # type: ignore[assignment]
     outbox: list[OutboxRow] = field(default_factory=list)
-    #: ids of outbox rows written in bulk (admission's, `IdBlocks.insert`)
-    bulk_outbox_ids: list[int] = field(default_factory=list)
+    #: ids of the attempts made here: each a generate message to send (admission's bulk too)
+    made_attempts: list[int] = field(default_factory=list)
     #: slots whose live attempts were read into `rows` with their rows locked (`live_attempt`)
     _live_locked: set[tuple[int, int]] = field(default_factory=set)
     #: running slot attempts whose weights are too old for a later step (overdispatch)
@@ -173,7 +173,9 @@ class RunContext:
             self.session.flush()
 
     def new_attempt(self, values: dict[str, Any]) -> AttemptRow:
-        return self.rows.new(AttemptRow, {**self.ids.ids("attempts"), **values})
+        row: AttemptRow = self.rows.new(AttemptRow, {**self.ids.ids("attempts"), **values})
+        self.made_attempts.append(row.id)
+        return row
 
     def new_outbox(self, values: dict[str, Any]) -> OutboxRow:
         row: OutboxRow = self.rows.new(OutboxRow, {**self.ids.ids("outbox"), **values})
@@ -197,8 +199,8 @@ class RunContext:
         bundle of attempts, and a batch locks the attempts it re-aims one by one, in no common
         order. The lock is `FOR NO KEY UPDATE`, which a handshake's update takes too, and not
         `FOR UPDATE`, which would also wait for the foreign-key checks of other transactions'
-        writes (the relay marking an outbox row sent takes a key-share lock on its attempt). An
-        attempt made in this transaction needs no lock: nobody else can see it yet.
+        writes (a row that names the attempt takes a key-share lock on it). An attempt made in
+        this transaction needs no lock: nobody else can see it yet.
         """
         key = (slot.step, slot.idx)
         found = self._live_in_rows(key)
@@ -319,8 +321,8 @@ class RunContext:
         return any(row.status == _STEP_OPEN and row.step <= max_step for row in self.rows.steps.values())
 
     @property
-    def outbox_ids(self) -> list[int]:
-        return [*self.bulk_outbox_ids, *(row.id for row in self.outbox)]
+    def to_send(self) -> ToSend:
+        return ToSend(tuple(self.made_attempts), tuple(row.id for row in self.outbox))
 
     # --- the spare pool ------------------------------------------------------------------
 

@@ -268,7 +268,7 @@ def lock_run(session: Session, run_id: int) -> Mapping[str, Any]:
     # (models/clock.py), and reading it here saves that transaction a round trip.
     # FOR NO KEY UPDATE: it excludes the other holders of this lock as FOR UPDATE would, but
     # not the key-share locks that other transactions' foreign-key checks take on the run's
-    # row (a relay marking outbox rows sent, a worker's writes), which would otherwise queue
+    # row (another transaction's insert of a row that names the run), which would otherwise queue
     # behind every batch and could close a deadlock with it.
     found = driver.rows(session, _LOCK_RUN, {"run_id": run_id})
     if not found:

@@ -18,8 +18,8 @@ in (the spare pool, oldest first).
 
 On SQLite (the embedded ledger, one writer at a time) the database assigns ids as before.
 
-`insert` writes many rows of one table at once without ORM objects (admission's slots, first
-attempts and their outbox rows: tens of thousands of objects for a large step) and returns
+`insert` writes many rows of one table at once without ORM objects (admission's first
+attempts: thousands of objects for a large step) and returns
 their ids, drawn here on PostgreSQL and read back with `RETURNING` on SQLite.
 """
 
@@ -82,8 +82,8 @@ class IdBlocks:
     def expect(self, counts: dict[str, int]) -> None:
         """Say about how many rows of each table this transaction will make: the first draw
         for any of them then draws a block of that size for each, all in one query. (A batch
-        of results makes attempts and outbox rows together; drawn apart, in blocks that start
-        small, they took two or three queries a batch.)"""
+        of results draws its attempts' first block with its reads, `expected_read`; drawn in
+        blocks that start small, they took two or three queries a batch.)"""
         if self.enabled:
             self._expected.update((table, count) for table, count in counts.items() if count > 0)
 

@@ -24,6 +24,7 @@ from sqlalchemy.orm import Session
 from refill.models.barrier import queue_training
 from refill.models.clock import ledger_now, ledger_now_in, ledger_up_seconds
 from refill.models.context import ATTEMPT_COLUMNS, RunContext
+from refill.models.outbox import ToSend
 from refill.models.overdispatch import reaim_if_steps_changed
 from refill.models.rows import AttemptRow, StepRow
 from refill.models.settings import settings_for
@@ -246,7 +247,7 @@ def extend_leases(session: Session, held: dict[int, float], worker: str, now: da
 class Reaped:
     attempts: int = 0
     train_steps: int = 0
-    outbox_ids: list[int] | None = None
+    to_send: ToSend = field(default_factory=ToSend)
     failed: str | None = None
 
 
@@ -267,13 +268,13 @@ def expire_leases(
     """
     with RunContext.open(session, run_id, now) as ctx:
         reaped = _reap(ctx, session, now, reachable_for)
-    reaped.outbox_ids = ctx.outbox_ids
+    reaped.to_send = ctx.to_send
     return reaped
 
 
 def _reap(ctx: RunContext, session: Session, now: datetime | None, reachable_for: float | None) -> Reaped:
     run_id = ctx.run.id
-    reaped = Reaped(outbox_ids=[])
+    reaped = Reaped()
     if not ctx.running:
         return reaped
     up = [reachable_for] if reachable_for is not None else []

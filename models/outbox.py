@@ -1,11 +1,17 @@
-"""The outbox relay's side of the ledger: claim unsent messages, build them, mark them sent.
+"""The relay's side of the ledger: find what is due to send, build the messages, mark them sent.
 
-Rows are written in the same transaction as the decision that needs them (SPEC §2) and sent at
-least once: a relay that dies after publishing and before `mark_sent` leaves the row unsent
-(the fleet's relay: its transaction rolls back; one that committed a claim first: when the
-claim expires), the row is sent again, and the receivers ignore the repeat (a generate
-message for an attempt that is no longer pending is skipped by the worker's lease handshake;
-a train_step for a trained step is a no-op).
+Two kinds of message follow a commit (SPEC §2), each written in the transaction of the decision
+that needs it: a **pending attempt is its own `generate` message** (its row says what to
+generate and, in `available_at`, when: a retry's back-off), and a `train_step` message is a row
+of the `outbox` table. Both are sent at least once: a relay that dies after publishing and
+before `mark_sent` leaves the attempt pending and the row unsent (the fleet's relay: its
+transaction rolls back; one that committed a claim first: when the claim expires), they are sent
+again, and the receivers ignore the repeat (a generate message for an attempt that is no longer
+pending is skipped by the worker's lease handshake; a train_step for a trained step is a no-op).
+
+Until stop 52 every attempt also had a `generate` row in the outbox, written with it and
+updated when sent: 7,700 inserts and as many updates of a 4096-group step's 63,000 row writes,
+which said nothing the attempt's own `state` and `available_at` did not.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from datetime import datetime, timedelta
 from functools import cache
 from typing import Any
 
-from sqlalchemy import DateTime, Interval, bindparam, case, delete, func, or_, select, text, update
+from sqlalchemy import DateTime, Interval, bindparam, func, or_, select, text, update
 from sqlalchemy.orm import Session
 
 from refill.config import from_snapshot
@@ -24,34 +30,66 @@ from refill.models import driver
 from refill.models.column_types import UTCDateTime
 from refill.models.payload import GenerateMessage
 from refill.models.settings import LedgerSettings, cached_settings, settings_for
-from refill.models.sql import ids_in, ids_param, literal_in
-from refill.models.tables import (
-    Attempt,
-    AttemptState,
-    Outbox,
-    OutboxKind,
-    Prompt,
-    Run,
-    RunStatus,
-)
+from refill.models.sql import ids_in, ids_param, literal, literal_in
+from refill.models.tables import Attempt, AttemptState, Outbox, OutboxKind, Prompt, Run, RunStatus
 
-QUEUE_OF = {OutboxKind.GENERATE.value: "generate", OutboxKind.TRAIN_STEP.value: "train"}
+GENERATE = "generate"
+QUEUE_OF = {GENERATE: "generate", OutboxKind.TRAIN_STEP.value: "train"}
+_PENDING, _RUNNING = AttemptState.PENDING.value, RunStatus.RUNNING.value
+
+
+@dataclass(frozen=True)
+class ToSend:
+    """What a transaction left for the relay to send at once after its commit (rather than at
+    the controller's next pass): the attempts it made (each its own generate message) and the
+    outbox rows it wrote (train_step)."""
+
+    attempt_ids: tuple[int, ...] = ()
+    outbox_ids: tuple[int, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.attempt_ids or self.outbox_ids)
+
+    def __add__(self, other: ToSend) -> ToSend:
+        return ToSend(self.attempt_ids + other.attempt_ids, self.outbox_ids + other.outbox_ids)
+
+    @staticmethod
+    def merged(parts: Iterable[ToSend]) -> ToSend:
+        attempts: list[int] = []
+        outbox: list[int] = []
+        for part in parts:
+            attempts.extend(part.attempt_ids)
+            outbox.extend(part.outbox_ids)
+        return ToSend(tuple(attempts), tuple(outbox))
+
+    def chunks(self, size: int) -> list[ToSend]:
+        """This in pieces of at most `size` attempts (the outbox rows, a few, with the first)."""
+        starts = range(0, max(1, len(self.attempt_ids)), size)
+        return [
+            ToSend(self.attempt_ids[start : start + size], self.outbox_ids if start == 0 else ())
+            for start in starts
+        ]
 
 
 @dataclass(frozen=True)
 class Outgoing:
-    outbox_id: int
-    kind: str
+    kind: str  # "generate" or "train_step"
     queue: str
     run_id: int
     body: dict[str, Any]
+    #: a train_step message's outbox row (a generate message's row is its attempt)
+    outbox_id: int | None = None
     #: a generate message's: how long its attempt may wait on the broker, queued, before the
     #: reaper sends it again (the run's `infra.queue_timeout_seconds`); set by `claim_outbox`,
     #: read by `mark_sent`
     queue_timeout_seconds: float | None = None
     #: who sends it, when `claim_outbox` wrote no claim for it (`claim_seconds=None`):
-    #: `mark_sent` records the sender and counts the send with the row's `sent_at`
+    #: `mark_sent` records the sender and counts the send with a train_step row's `sent_at`
     sender: str | None = None
+
+    @property
+    def attempt_id(self) -> int | None:
+        return self.body["attempt_id"] if self.kind == GENERATE else None
 
 
 def claim_outbox(
@@ -61,93 +99,99 @@ def claim_outbox(
     now: datetime,
     limit: int = 500,
     claim_seconds: float | None = 30.0,
-    ids: list[int] | None = None,
+    only: ToSend | None = None,
     run_id: int | None = None,
     queued_per_share: int | None = None,
 ) -> list[Outgoing]:
-    """Claim up to `limit` due, unsent rows and return the messages to publish.
+    """Claim up to `limit` due messages of each kind and return them to publish: pending
+    attempts whose `available_at` has passed, of running runs, and unsent `train_step` rows
+    (only those `only` names, or those of `run_id`, when given).
 
-    Rows whose message no longer makes sense (the attempt was cancelled, the run ended) are
-    marked sent without a message, so the outbox drains.
+    Rows are read `FOR UPDATE SKIP LOCKED`: an attempt a consumer's batch is changing right now
+    (it may cancel it or move it) is left for a later pass, and the relay never waits on a row.
+    A train_step row whose run no longer runs is marked sent without a message, so it drains.
 
-    The claim (`claimed_by`, `claimed_until`, `send_count`) is for a relay that publishes
-    outside this transaction: if it dies before `mark_sent`, the rows are claimable again when
-    the claim expires. A relay that marks the rows sent in this same transaction (the fleet's,
-    `refill.tasks.relay`) passes `claim_seconds=None`: its row locks already keep other relays
-    off the rows, a rollback frees them at once, and `mark_sent` writes the claim's columns with
-    `sent_at` (one UPDATE of the rows, not two).
+    The claim is for a relay that publishes outside this transaction: if it dies before
+    `mark_sent`, what it claimed is due again when the claim expires (a train_step row's
+    `claimed_until`; a pending attempt's `available_at`, moved past the claim). A relay that
+    marks them sent in this same transaction (the fleet's, `refill.tasks.relay`) passes
+    `claim_seconds=None`: its row locks already keep other relays off them, a rollback frees
+    them at once, and `mark_sent` writes once (one UPDATE of each kind, not two).
 
-    With `queued_per_share`, generate rows are metered: a run keeps at most
+    With `queued_per_share`, generate messages are metered: a run keeps at most
     `queued_per_share * run.share` attempts queued on the broker (sent, not yet taken by a
-    worker), and its other rows wait, unclaimed, for a later pass. Workers take messages in
+    worker), and its other attempts wait, pending, for a later pass. Workers take messages in
     the order they were sent, so runs that all have work get the workers in proportion to
     their shares (see `queue_room`).
     """
-    table = Outbox.__table__
-    if queued_per_share is None:
-        rows = _due_rows(session, now, limit, ids=ids, run_id=run_id)
+    steps = [] if only is not None and not only.outbox_ids else _due_rows(session, now, limit, only, run_id)
+    attempt_ids = None if only is None else list(only.attempt_ids)
+    if attempt_ids is not None and not attempt_ids:
+        attempts = []
+    elif queued_per_share is None:
+        attempts = _due_attempts(session, now, limit, attempt_ids, run_id)
     elif run_id is not None:
-        # Ask only for what the run may send: a metered run can have hundreds of rows waiting,
-        # and the controller's relay passes every few tens of milliseconds.
-        rows = _due_rows(session, now, limit, ids=ids, run_id=run_id, kind=OutboxKind.TRAIN_STEP.value)
+        # Ask only for what the run may send: a metered run can have hundreds of attempts
+        # waiting, and the controller's relay passes every few tens of milliseconds.
         room = queue_room(session, [run_id], queued_per_share).get(run_id, 0)
-        if room > 0:
-            rows += _due_rows(
-                session, now, min(limit, room), ids=ids, run_id=run_id, kind=OutboxKind.GENERATE.value
-            )
-        rows.sort(key=lambda row: row.id)
+        attempts = _due_attempts(session, now, min(limit, room), attempt_ids, run_id) if room > 0 else []
     else:
-        rows = _due_rows(session, now, limit, ids=ids)
-        metered = {row.run_id for row in rows if row.kind == OutboxKind.GENERATE.value}
-        known = {row.run_id: (row.run_status, row.config_hash) for row in rows}
-        rows = _within_room(rows, queue_room(session, metered, queued_per_share, known=known) if metered else {})
-    if not rows:
+        attempts = _due_attempts(session, now, limit, attempt_ids, None)
+        known = {row.run_id: (row.run_status, row.config_hash) for row in attempts}
+        attempts = _within_room(attempts, queue_room(session, set(known), queued_per_share, known=known))
+    if not steps and not attempts:
         return []
-    runs = _runs(session, rows)
-    attempts, busy = _sendable_attempts(session, [row.attempt_id for row in rows if row.attempt_id is not None])
+    runs = _runs(session, [*steps, *attempts])
+    sender = claimer[:200] if claim_seconds is None else None
     out: list[Outgoing] = []
     moot: list[int] = []
-    for row in rows:
-        status, settings = runs[row.run_id]
-        if row.attempt_id in busy and status == RunStatus.RUNNING.value:
-            continue
-        body = _body(row, row.run_id, status, settings, attempts)
-        if body is None:
+    for row in steps:
+        if row.run_status != _RUNNING:
             moot.append(row.id)
             continue
+        out.append(Outgoing(row.kind, QUEUE_OF[row.kind], row.run_id, dict(row.payload), outbox_id=row.id, sender=sender))
+    for row in attempts:
+        settings = runs[row.run_id]
         out.append(
             Outgoing(
-                row.id,
-                row.kind,
-                QUEUE_OF[row.kind],
+                GENERATE,
+                QUEUE_OF[GENERATE],
                 row.run_id,
-                body,
-                settings.queue_timeout_seconds,
-                sender=claimer[:200] if claim_seconds is None else None,
+                _generate_body(row, settings),
+                queue_timeout_seconds=settings.queue_timeout_seconds,
+                sender=sender,
             )
         )
+    table = Outbox.__table__
     if moot:
         session.execute(update(table).where(ids_in(table.c.id, moot)).values(sent_at=now))
-    if out and claim_seconds is not None:
-        session.execute(
-            update(table)
-            .where(ids_in(table.c.id, [m.outbox_id for m in out]))
-            .values(
-                claimed_by=claimer[:200],
-                claimed_until=now + timedelta(seconds=claim_seconds),
-                send_count=table.c.send_count + 1,
+    if claim_seconds is not None:
+        until = now + timedelta(seconds=claim_seconds)
+        claimed = [m.outbox_id for m in out if m.outbox_id is not None]
+        if claimed:
+            session.execute(
+                update(table)
+                .where(ids_in(table.c.id, claimed))
+                .values(claimed_by=claimer[:200], claimed_until=until, send_count=table.c.send_count + 1)
             )
-        )
+        if attempts:
+            # Not due again until the claim expires: a relay that dies before `mark_sent`
+            # leaves them to be sent then.
+            attempts_table = Attempt.__table__
+            session.execute(
+                update(attempts_table)
+                .where(ids_in(attempts_table.c.id, [row.id for row in attempts]))
+                .values(available_at=until)
+            )
     return out
 
 
-def _runs(session: Session, rows: list[Any]) -> dict[int, tuple[str, LedgerSettings]]:
-    """Each run's status and settings, from the status and config hash `_due_rows` read with the
-    rows. Its config (kilobytes of JSON) is read only when this process has not parsed it yet:
-    a run's config never changes, and a relay pass needs the settings of the same run or two
-    every few tens of milliseconds."""
+def _runs(session: Session, rows: list[Any]) -> dict[int, LedgerSettings]:
+    """Each run's settings, by the config hash read with the rows. Its config (kilobytes of
+    JSON) is read only when this process has not parsed it yet: a run's config never changes,
+    and a relay pass needs the settings of the same run or two every few tens of milliseconds."""
     table = Run.__table__
-    found: dict[int, tuple[str, LedgerSettings]] = {}
+    found: dict[int, LedgerSettings] = {}
     for row in rows:
         if row.run_id in found:
             continue
@@ -158,78 +202,85 @@ def _runs(session: Session, rows: list[Any]) -> dict[int, tuple[str, LedgerSetti
                     select(table.c.id, table.c.config_hash, table.c.config).where(table.c.id == row.run_id)
                 ).one()
             )
-        found[row.run_id] = (row.run_status, settings)
+        found[row.run_id] = settings
     return found
 
 
-def _sendable_attempts(session: Session, attempt_ids: list[int]) -> tuple[dict[int, Any], set[int]]:
-    """The attempts (with their prompts) whose messages may go out, locked now, and those busy.
-
-    Locked without waiting: `mark_sent` updates them, and a relay that waited there for an
-    attempt a consumer's batch held, holding others the batch then wanted, deadlocked with it.
-    An attempt that is pending or queued but locked by another transaction is busy: its row
-    stays unclaimed for a later pass (the batch is changing that attempt; the row may be moot
-    by then). Any other attempt's message is moot. The states of the attempts the locked read
-    did not return are read only when there are such (a cancellation, a busy row: rare)."""
-    if not attempt_ids:
-        return {}, set()
-    attempts_table = Attempt.__table__
-    sendable_states = (AttemptState.PENDING.value, AttemptState.QUEUED.value)
-    found = {row.id: row for row in driver.rows(session, _SENDABLE, {"ids": attempt_ids})}
-    others = [attempt for attempt in attempt_ids if attempt not in found]
-    busy: set[int] = set()
-    if others:
-        busy = set(
-            session.scalars(
-                select(attempts_table.c.id).where(
-                    ids_in(attempts_table.c.id, others), literal_in(attempts_table.c.state, sendable_states)
-                )
-            ).all()
-        )
-    return found, busy
-
-
-_SENDABLE = (
-    select(Attempt.__table__.c.id, Attempt.__table__.c.min_weight_version, Prompt.__table__.c.text, Prompt.__table__.c.row)
-    .join(Prompt.__table__, Prompt.__table__.c.id == Attempt.__table__.c.prompt_id)
-    .where(
-        ids_param(Attempt.__table__.c.id, "ids"),
-        # The state as an expression, not the column: `state IN ('pending', 'queued')` names the
-        # predicate of the partial index of live attempts, and on a new run's statistics (which
-        # count none) PostgreSQL ANDed a scan of that whole index, every live attempt of the
-        # run (7,000 at a 4096-slot step, `bench overhead` under auto_explain), with the key
-        # lookups on every relay pass, and planned the prompts' join for one row. By key only.
-        literal_in(Attempt.__table__.c.state.concat(""), (AttemptState.PENDING.value, AttemptState.QUEUED.value)),
-    )
-    .order_by(Attempt.__table__.c.id)
-    .with_for_update(key_share=True, skip_locked=True, of=Attempt.__table__)
-)
-
-
-def _due_rows(
-    session: Session,
-    now: datetime,
-    limit: int,
-    *,
-    ids: list[int] | None = None,
-    run_id: int | None = None,
-    kind: str | None = None,
+def _due_attempts(
+    session: Session, now: datetime, limit: int, ids: list[int] | None, run_id: int | None
 ) -> list[Any]:
+    """Pending attempts of running runs, due by `now`, with their prompts, locked (skipping
+    those another transaction holds), in id order: by `ids`, by run, or any."""
+    if limit <= 0:
+        return []
     sql_now, clock = _clock(now)
     params: dict[str, Any] = {"limit": limit, **clock}
     if ids is not None:
         params["ids"] = ids
     if run_id is not None:
         params["run_id"] = run_id
-    if kind is not None:
-        params["kind"] = kind
-    # Plain rows, not ORM objects, and one UPDATE per kind of change below: a relay pass
-    # handles up to `limit` rows, and the ORM's per-object bookkeeping cost more than the SQL.
-    return driver.rows(session, _due_statement(ids is not None, run_id is not None, kind is not None, sql_now), params)
+    return driver.rows(session, _due_attempts_statement(ids is not None, run_id is not None, sql_now), params)
 
 
 @cache
-def _due_statement(by_ids: bool, by_run: bool, by_kind: bool, sql_now: bool) -> Any:
+def _due_attempts_statement(by_ids: bool, by_run: bool, sql_now: bool) -> Any:
+    """`_due_attempts`' statement for the filters it is given, built once (see `sql.Query`)."""
+    attempts, prompts, runs = Attempt.__table__, Prompt.__table__, Run.__table__
+    if by_run:
+        # The run's row read once (two InitPlans), not joined: in the plan that keeps the
+        # attempts' id order (the only one that reads no more than it sends), a join looked the
+        # run up again for every attempt.
+        def of_run(column: Any) -> Any:
+            return select(column).where(runs.c.id == bindparam("run_id")).scalar_subquery()
+
+        status, config_hash = of_run(runs.c.status), of_run(runs.c.config_hash)
+    else:
+        status, config_hash = runs.c.status, runs.c.config_hash
+    query = (
+        select(
+            attempts.c.id,
+            attempts.c.run_id,
+            attempts.c.min_weight_version,
+            prompts.c.text,
+            prompts.c.row,
+            status.label("run_status"),
+            config_hash.label("config_hash"),
+        )
+        .join(prompts, prompts.c.id == attempts.c.prompt_id)
+        .where(attempts.c.available_at <= _now(sql_now), status == literal(_RUNNING))
+        .order_by(attempts.c.id)
+        .limit(bindparam("limit"))
+        # NO KEY UPDATE, as every other lock on an attempt: `mark_sent` updates no key.
+        .with_for_update(key_share=True, skip_locked=True, of=attempts)
+    )
+    if not by_run:
+        query = query.join(runs, runs.c.id == attempts.c.run_id)
+    if by_ids:
+        # By key only: the state as an expression, not the column, so that PostgreSQL does not
+        # AND a scan of a partial index of pending attempts (a whole step's, on a new run's
+        # statistics, which count none) with the key lookups.
+        return query.where(ids_param(attempts.c.id, "ids"), attempts.c.state.concat("") == literal(_PENDING))
+    # `state = 'pending'` written out: the predicate of `ix_attempts_unsent` (run, id), which
+    # serves a run's pass in id order, and a pass over every run (a bench's, a test's).
+    query = query.where(attempts.c.state == literal(_PENDING))
+    return query.where(attempts.c.run_id == bindparam("run_id")) if by_run else query
+
+
+def _due_rows(session: Session, now: datetime, limit: int, only: ToSend | None, run_id: int | None) -> list[Any]:
+    """Unsent, due, unclaimed train_step rows (by id, by run or any), locked, with their runs'
+    status and config hash."""
+    sql_now, clock = _clock(now)
+    params: dict[str, Any] = {"limit": limit, **clock}
+    if only is not None:
+        params["ids"] = list(only.outbox_ids)
+    if run_id is not None:
+        params["run_id"] = run_id
+    # Plain rows, not ORM objects: the ORM's per-object bookkeeping cost more than the SQL.
+    return driver.rows(session, _due_statement(only is not None, run_id is not None, sql_now), params)
+
+
+@cache
+def _due_statement(by_ids: bool, by_run: bool, sql_now: bool) -> Any:
     """`_due_rows`' statement for the filters it is given, built once (see `sql.Query`)."""
     table, runs = Outbox.__table__, Run.__table__
     now = _now(sql_now)
@@ -238,10 +289,7 @@ def _due_statement(by_ids: bool, by_run: bool, by_kind: bool, sql_now: bool) -> 
             table.c.id,
             table.c.run_id,
             table.c.kind,
-            table.c.attempt_id,
-            # A generate row's payload is `{}` (its message is built from its attempt): parsing
-            # it was a JSON decode per message.
-            case((table.c.kind == OutboxKind.TRAIN_STEP.value, table.c.payload)).label("payload"),
+            table.c.payload,
             runs.c.status.label("run_status"),
             runs.c.config_hash,
         )
@@ -259,21 +307,18 @@ def _due_statement(by_ids: bool, by_run: bool, by_kind: bool, sql_now: bool) -> 
         query = query.where(ids_param(table.c.id, "ids"))
     if by_run:
         query = query.where(table.c.run_id == bindparam("run_id"))
-    if by_kind:
-        query = query.where(table.c.kind == bindparam("kind"))
     return query
 
 
 def _within_room(rows: list[Any], room: dict[int, int]) -> list[Any]:
-    """The rows a pass may send: every train_step row, and each run's first generate rows up
-    to its room. The others stay unclaimed for a later pass."""
+    """The attempts a pass may send: each run's first ones up to its room. The others stay
+    pending for a later pass."""
     left = dict(room)
     out = []
     for row in rows:
-        if row.kind == OutboxKind.GENERATE.value:
-            if left.get(row.run_id, 0) <= 0:
-                continue
-            left[row.run_id] -= 1
+        if left.get(row.run_id, 0) <= 0:
+            continue
+        left[row.run_id] -= 1
         out.append(row)
     return out
 
@@ -379,74 +424,42 @@ def run_shares(session: Session, run_ids: Iterable[int], *, hashes: Mapping[int,
     return {run: _shares[(run, hashes[run])] for run in wanted if run in hashes}
 
 
-def prune_relayed(session: Session, run_id: int, before: datetime, *, chunk: int = 20_000) -> int:
-    """Delete up to `chunk` of a run's generate rows relayed before `before`; returns how many.
-
-    A sent generate row has done its work: its attempt's state says where the attempt is, and
-    nothing reads the row again (a re-dispatch writes a new row). Train_step rows stay: the
-    reaper and `refill check` read them, and there is one per step. Without this the outbox
-    keeps a row for every attempt a run ever made.
-    """
-    table = Outbox.__table__
-    doomed = (
-        select(table.c.id)
-        .where(
-            table.c.run_id == run_id,
-            table.c.kind == OutboxKind.GENERATE.value,
-            table.c.sent_at.is_not(None),
-            table.c.sent_at < before,
-        )
-        .order_by(table.c.id)
-        .limit(chunk)
-    )
-    result = session.execute(delete(table).where(table.c.id.in_(doomed.scalar_subquery())))
-    return int(result.rowcount or 0)
-
-
-def _body(
-    row: Any, run_id: int, status: str, settings: LedgerSettings, attempts: dict[int, Any]
-) -> dict[str, Any] | None:
-    if status != RunStatus.RUNNING.value:
-        return None
-    if row.kind == OutboxKind.TRAIN_STEP.value:
-        return dict(row.payload)
-    found = attempts.get(row.attempt_id or -1)
-    if found is None:  # neither pending nor queued any more
-        return None
+def _generate_body(row: Any, settings: LedgerSettings) -> dict[str, Any]:
     return GenerateMessage(
-        run_id=run_id,
-        attempt_id=found.id,
-        prompt=found.text,
-        row=found.row,
+        run_id=row.run_id,
+        attempt_id=row.id,
+        prompt=row.text,
+        row=row.row,
         n=settings.group_size,
         temperature=settings.temperature,
         top_p=settings.top_p,
         max_new_tokens=settings.max_new_tokens,
-        seed=(settings.seed * 1_000_003 + found.id) % 2**31,
-        min_weight_version=found.min_weight_version,
+        seed=(settings.seed * 1_000_003 + row.id) % 2**31,
+        min_weight_version=row.min_weight_version,
     ).to_json()
 
 
 def mark_sent(session: Session, sent: list[Outgoing], now: datetime) -> None:
-    """Record that these messages reached the broker; their attempts are now queued."""
+    """Record that these messages reached the broker: train_step rows are sent, attempts queued."""
     if not sent:
         return
-    # Rows claimed earlier (sender None) only become sent; the others count their send here.
-    by_sender: dict[str | None, list[int]] = {}
-    for message in sent:
-        by_sender.setdefault(message.sender, []).append(message.outbox_id)
     sql_now, clock = _clock(now)
     # Both kinds of UPDATE go out together, in one round trip (`driver.execute`).
     writes: list[tuple[Any, dict[str, Any]]] = []
+    # Rows claimed earlier (sender None) only become sent; the others count their send here.
+    by_sender: dict[str | None, list[int]] = {}
+    for message in sent:
+        if message.outbox_id is not None:
+            by_sender.setdefault(message.sender, []).append(message.outbox_id)
     for sender, outbox_ids in by_sender.items():
         by = {} if sender is None else {"sender": sender}
         writes.append((_mark_sent(sender is not None, sql_now), {"ids": outbox_ids, **clock, **by}))
     by_timeout: dict[float, list[int]] = {}
     for message in sent:
-        if message.kind == OutboxKind.GENERATE.value:
+        if message.kind == GENERATE:
             if message.queue_timeout_seconds is None:
                 raise ValueError(
-                    f"generate message of outbox row {message.outbox_id} has no queue timeout: "
+                    f"generate message of attempt {message.attempt_id} has no queue timeout: "
                     "mark_sent takes the messages claim_outbox returned"
                 )
             by_timeout.setdefault(message.queue_timeout_seconds, []).append(message.body["attempt_id"])

@@ -28,6 +28,7 @@ from refill.models.clock import ledger_now
 from refill.models.context import RunContext
 from refill.models.db import UnknownRun
 from refill.models.metrics import zero_variance_from_counters
+from refill.models.outbox import ToSend
 from refill.models.overdispatch import Counted, counted, counts_read, place_extra, top_up
 from refill.models.payload import ClaimCheckResult, ResultMessage
 from refill.models.rows import AttemptRow, GroupRow, Read, SlotRow
@@ -79,7 +80,7 @@ class Recorded:
 @dataclass
 class BatchResult:
     outcomes: list[Recorded]
-    outbox_ids: list[int]
+    to_send: ToSend
     #: `(run id, payload name)` of each stored payload this batch judged nothing will read (its
     #: attempt settled without committing it): the caller removes them after the commit.
     discarded: list[tuple[int, str]] = field(default_factory=list)
@@ -94,7 +95,7 @@ def record_results(
     for position, result in enumerate(results):
         by_run.setdefault(result.run_id, []).append((position, result))
     outcomes: list[Recorded | None] = [None] * len(results)
-    outbox_ids: list[int] = []
+    to_send: list[ToSend] = []
     discarded: list[tuple[int, str]] = []
     # Lock runs in id order so that two consumers with mixed batches cannot deadlock.
     for run_id in sorted(by_run):
@@ -109,9 +110,9 @@ def record_results(
         with ctx:
             tolerance = ctx.settings.zero_variance_tolerance
             ctx.size_caches(len(items), sum(not r.error_kind and decisions.is_zero_variance(r.rewards, tolerance) for _, r in items))
-            # About one new attempt (and its outbox row) per result; more come in growing
-            # blocks. Drawn with the batch's reads.
-            ctx.ids.expect({"attempts": len(items), "outbox": len(items)})
+            # About one new attempt per result; more come in growing blocks. Drawn with the
+            # batch's reads.
+            ctx.ids.expect({"attempts": len(items)})
             attempts, ahead = _read_batch(ctx, [r.attempt_id for _, r in items])
             for position, result in items:
                 attempt = attempts.get(result.attempt_id)
@@ -120,8 +121,8 @@ def record_results(
                 if name is not None:
                     discarded.append((run_id, name))
             top_up(ctx, ahead)
-        outbox_ids.extend(ctx.outbox_ids)
-    return BatchResult([o for o in outcomes if o is not None], outbox_ids, discarded)
+        to_send.append(ctx.to_send)
+    return BatchResult([o for o in outcomes if o is not None], ToSend.merged(to_send), discarded)
 
 
 def _discarded_payload(ctx: RunContext, attempt: AttemptRow | None, result: ResultMessage) -> str | None:

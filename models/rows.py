@@ -5,8 +5,8 @@ groups and spare prompts while it holds the run's lock. It keeps them here as `R
 Python objects with one attribute per column (the ORM's names: `slot.filtered += 1` reads the
 same), and writes what changed when the operation flushes:
 
-1. **new rows** as one statement per table (a step, attempts, then groups and outbox rows,
-   which reference them), with their ids drawn up front (`models/ids.py`): on PostgreSQL a
+1. **new rows** as one statement per table (a step, attempts, then the groups that reference
+   them, and outbox rows), with their ids drawn up front (`models/ids.py`): on PostgreSQL a
    table's few rows as `INSERT ... SELECT FROM unnest(...)` (`driver.unnest_insert`), its
    thousands as a `COPY` (`driver.insert_rows`);
 2. **changed rows** as one `UPDATE` per table and set of changed columns: on PostgreSQL
@@ -148,11 +148,11 @@ _REPR: dict[type, tuple[str, ...]] = {
     AttemptRow: ("id", "step", "slot_idx", "state", "reason"),
     GroupRow: ("attempt_id", "weight_version", "parked"),
     SpareRow: ("id", "prompt_id", "taken_at"),
-    OutboxRow: ("id", "kind", "attempt_id", "step"),
+    OutboxRow: ("id", "kind", "step"),
 }
 
 #: Tables in the order their new rows are inserted (a step before what references it; groups
-#: and outbox rows reference attempts) and their changed rows are written (the run, whose row
+#: reference attempts) and their changed rows are written (the run, whose row
 #: the transaction locked first, then its steps and slots: every transaction takes them in
 #: that order, one lock order).
 _INSERT_ORDER: tuple[type[Row], ...] = (StepRow, AttemptRow, GroupRow, OutboxRow)

@@ -27,7 +27,6 @@ from refill.models.tables import (
     AttemptReason,
     AttemptState,
     FailureKind,
-    OutboxKind,
     RunStatus,
     ShrinkReason,
     Slot,
@@ -79,17 +78,6 @@ def attempt_values(
     }
 
 
-def generate_outbox_values(ctx: RunContext, available: datetime) -> dict[str, Any]:
-    """The columns of a new attempt's `generate` outbox row, but its attempt."""
-    return {
-        "run_id": ctx.run.id,
-        "kind": OutboxKind.GENERATE.value,
-        "payload": {},
-        "created_at": ctx.now,
-        "available_at": available,
-    }
-
-
 def dispatch(
     ctx: RunContext,
     *,
@@ -101,7 +89,8 @@ def dispatch(
     delay_seconds: float = 0.0,
     origin: tuple[int, int | None] | None = None,
 ) -> AttemptRow:
-    """A new attempt for `slot` (or an EXTRA for `step`), with its outbox row."""
+    """A new attempt for `slot` (or an EXTRA for `step`): pending, it is its own generate
+    message, due at `available_at` (`refill.models.outbox`)."""
     available = ctx.later(delay_seconds)
     attempt = ctx.new_attempt(
         attempt_values(
@@ -117,7 +106,6 @@ def dispatch(
     )
     if slot is not None:
         slot.attempts += 1
-    ctx.new_outbox({**generate_outbox_values(ctx, available), "attempt_id": attempt.id})
     return attempt
 
 

@@ -77,7 +77,7 @@ class ShrinkReason(enum.StrEnum):
 
 
 class AttemptState(enum.StrEnum):
-    PENDING = "pending"  # written with its outbox row, not yet handed to the broker
+    PENDING = "pending"  # not yet handed to the broker: a generate message to send
     QUEUED = "queued"  # on the generate queue
     RUNNING = "running"  # a worker holds the lease
     COMMITTED = "committed"
@@ -326,6 +326,9 @@ class Attempt(Base):
         Index(None, "run_id", "origin_step", "origin_slot"),
         # Scored attempts by prompt, newest last: skipping reads a prompt's newest few (0014).
         Index("ix_attempts_scored_prompt", "run_id", "prompt_id", "id", postgresql_where=text(_SCORED), sqlite_where=text(_SCORED)),
+        # Pending attempts, the generate messages not sent yet, of a run in id order: the
+        # relay's pass (0015).
+        Index("ix_attempts_unsent", "run_id", "id", postgresql_where=text("state = 'pending'"), sqlite_where=text("state = 'pending'")),
         # Extras not started yet: the ones over-dispatch re-aims when their step settles, looked
         # for on every batch; a handful at any time, among every extra the run ever made.
         Index(
@@ -541,13 +544,14 @@ class StepMetrics(Base):
 
 
 class OutboxKind(enum.StrEnum):
-    GENERATE = "generate"
+    # A generate message is its attempt: a pending attempt is one not sent yet (migration 0015).
     TRAIN_STEP = "train_step"
 
 
 class Outbox(Base):
-    """Messages that must follow a commit, written in the same transaction and sent by a
-    relay at least once (SPEC §2). Receivers are idempotent by attempt id or step."""
+    """The train_step messages that must follow a commit, written in the same transaction and
+    sent by a relay at least once (SPEC §2); the trainer is idempotent by step. A generate
+    message needs no row here: a pending attempt is one (`refill.models.outbox`)."""
 
     __tablename__ = "outbox"
     __table_args__ = (
@@ -565,7 +569,6 @@ class Outbox(Base):
     id: Mapped[int] = mapped_column(BigId, primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
     kind: Mapped[str] = mapped_column(String(16))
-    attempt_id: Mapped[int | None] = mapped_column(BigId, ForeignKey("attempts.id", ondelete="CASCADE"))
     step: Mapped[int | None] = mapped_column(Integer)
     payload: Mapped[dict[str, Any]]
     created_at: Mapped[datetime]
@@ -574,8 +577,6 @@ class Outbox(Base):
     claimed_until: Mapped[datetime | None]
     sent_at: Mapped[datetime | None]
     send_count: Mapped[int] = mapped_column(Integer, default=0)
-
-    attempt: Mapped[Attempt | None] = relationship(foreign_keys=[attempt_id])
 
 
 class RejectedResult(Base):

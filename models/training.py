@@ -28,6 +28,7 @@ from refill.models.clock import ledger_now_in
 from refill.models.column_types import read_json
 from refill.models.context import RunContext
 from refill.models.metrics import seconds_between
+from refill.models.outbox import ToSend
 from refill.models.payload import PayloadRef, TrainGroup
 from refill.models.payload_store import FileStore, StoredGroup, read_groups
 from refill.models.runs import check_completion
@@ -181,13 +182,13 @@ def claim_training(
 
 def training_failed(
     session: Session, run_id: int, step: int, trainer_id: str, error: str, now: datetime | None = None
-) -> list[int]:
+) -> ToSend:
     """A trainer's update raised: give the step back (sent again after a short back-off), or
     fail the run with the error once it has had `infra.max_train_attempts` tries."""
     with RunContext.open(session, run_id, now) as ctx:
         row = ctx.find_step(step)
         if row is None or row.status != StepStatus.TRAINING.value or row.trainer_id != trainer_id[:200]:
-            return []
+            return ToSend()
         row.status = StepStatus.RELEASED.value
         row.trainer_id = None
         row.trainer_lease_until = None
@@ -200,9 +201,9 @@ def training_failed(
                     "trainer_failed",
                 )
             except RunFailed:
-                return []
+                return ToSend()
         queue_training(ctx, step, delay_seconds=min(60.0, 5.0 * row.train_claims))
-    return ctx.outbox_ids
+    return ctx.to_send
 
 
 def extend_training_lease(
@@ -233,9 +234,9 @@ def finish_training(
     weights_path: str | None,
     metrics: dict[str, float],
     now: datetime | None = None,
-) -> list[int] | None:
+) -> ToSend | None:
     """Publish version step+1 and mark the step trained, then admit what the new version
-    unlocks. Returns the outbox rows written (to relay at once), or None if this trainer lost
+    unlocks. Returns what it left to send (to relay at once), or None if this trainer lost
     the step (another trainer finished it, or the run ended) and its work must be discarded."""
     with RunContext.open(session, run_id, now) as ctx:
         row = ctx.find_step(step)
@@ -268,7 +269,7 @@ def finish_training(
             queue_training(ctx, step + 1)
         admit(ctx)
         check_completion(ctx)
-    return ctx.outbox_ids
+    return ctx.to_send
 
 
 def publish_weight_version(ctx: RunContext, version: int, path: str | None, trained_step: int | None) -> None:

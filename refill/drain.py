@@ -2,9 +2,9 @@
 
 The consumer moves two pieces of work off its serial stage, to be done after a batch commits:
 removing the payloads the batch discarded (`refill.models.payload_store.Remover`) and relaying
-the outbox rows it wrote (`refill.tasks.consumer`). The consumer never waits for either, and
-what piles up while the thread is busy is handled together: the outbox ids of several batches
-go out in one relay transaction. A drain keeps nothing durable: what it has not handled when
+what it left to send (`refill.tasks.consumer`). The consumer never waits for either, and what
+piles up while the thread is busy is handled together: the new attempts of several batches go
+out in one relay transaction. A drain keeps nothing durable: what it has not handled when
 the process dies, the controller finds (its payload sweep, its own relay).
 """
 

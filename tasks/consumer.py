@@ -7,8 +7,8 @@ delivered again, and the ledger's attempt-keyed idempotency makes the second del
 already-committed result a recorded no-op.
 
 Batching several results per transaction amortises the run-row lock and the round trips;
-after commit, the outbox rows the batch wrote (replacement dispatches, train_step releases)
-are relayed at once rather than at the controller's next tick, and the stored payloads it did
+after commit, what the batch left to send (its new attempts: replacements, extras; the
+train_step of a release) is relayed at once rather than at the controller's next tick, and the stored payloads it did
 not commit (filtered, failed, refused claim checks) are removed, both on threads of their own.
 A claim check's body is a few hundred bytes whatever the rollout's length: the consumer never
 reads a payload.
@@ -29,6 +29,7 @@ from refill.drain import Drain
 from refill.microbatcher import MicroBatcher
 from refill.models.clock import ledger_now
 from refill.models.db import Ledger
+from refill.models.outbox import ToSend
 from refill.models.payload import PayloadError, ResultMessage
 from refill.models.payload_store import FileStore, Remover
 from refill.models.results import record_results
@@ -43,7 +44,7 @@ class ResultConsumer:
         self,
         ledger: Ledger,
         *,
-        after_commit: Callable[[list[int]], int] | None = None,
+        after_commit: Callable[[ToSend], int] | None = None,
         max_batch: int = 256,
         max_wait_ms: float = 20.0,
     ) -> None:
@@ -52,7 +53,7 @@ class ResultConsumer:
         config's; its threads (`refill worker consume --concurrency`) bound the messages a batch
         can gather (each a result or a worker's bundle of them)."""
         self.ledger = ledger
-        # The outbox rows a batch wrote are relayed by a thread of their own, so publishing
+        # What a batch left to send is relayed by a thread of their own, so publishing
         # them overlaps the next batch instead of delaying it (they are in the ledger: a relay
         # that fails or never runs leaves them to the controller's).
         self._relay = Drain(_relaying(after_commit), name="consumer-relay") if after_commit is not None else None
@@ -120,8 +121,8 @@ class ResultConsumer:
             outcomes[i] = recorded.outcome.value
         for _, _, error in malformed:
             log.error("refused malformed result: %s", error)
-        if self._relay is not None and batch.outbox_ids:
-            self._relay.submit(batch.outbox_ids)
+        if self._relay is not None and batch.to_send:
+            self._relay.submit([batch.to_send])
         discarded: dict[int, list[str]] = {}
         for run_id, name in batch.discarded:
             discarded.setdefault(run_id, []).append(name)
@@ -151,19 +152,19 @@ class ResultConsumer:
         self._remover.close(timeout=30)
 
 
-#: outbox ids per relay transaction (the relay claims at most 1000 rows at a time)
+#: attempts per relay transaction (the relay claims at most 1000 at a time)
 RELAY_CHUNK = 1000
 
 
-def _relaying(relay: Callable[[list[int]], int]) -> Callable[[list[int]], None]:
-    """What the consumer's relay thread does with the outbox ids of the batches committed since
-    it last ran: relays them, RELAY_CHUNK to a transaction."""
+def _relaying(relay: Callable[[ToSend], int]) -> Callable[[list[ToSend]], None]:
+    """What the consumer's relay thread does with what the batches committed since it last ran
+    left to send: relays it, RELAY_CHUNK attempts to a transaction."""
 
-    def handle(ids: list[int]) -> None:
-        for start in range(0, len(ids), RELAY_CHUNK):
+    def handle(parts: list[ToSend]) -> None:
+        for chunk in ToSend.merged(parts).chunks(RELAY_CHUNK):
             try:
-                relay(ids[start : start + RELAY_CHUNK])
-            except Exception as error:  # noqa: BLE001 - the rows stay in the outbox
+                relay(chunk)
+            except Exception as error:  # noqa: BLE001 - it stays in the ledger
                 log.warning("immediate relay failed (%r); the controller's relay will send them", error)
 
     return handle

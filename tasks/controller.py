@@ -2,8 +2,8 @@
 
 Most of a run's progress happens without it: the consumer relays the replacements it
 decides, the trainer admits the steps its new weights unlock. The controller is the safety
-net and the clock: it admits steps, relays whatever is still in the outbox (rows whose
-immediate relay failed, retries whose back-off has passed), reaps expired leases, notices
+net and the clock: it admits steps, relays whatever is still due (attempts and train_step rows
+whose immediate relay failed, retries whose back-off has passed), reaps expired leases, notices
 the end of the run, applies a requested stop, and reports progress.
 
 It runs in the foreground of `refill run start|resume`, or detached on a `control` worker as
@@ -122,13 +122,13 @@ class Controller:
         try:
             relay(self.ledger, self.app, claimer=self.controller_id, run_id=self.run_id)
         except BrokerUnreachable as error:
-            # Redis is down or restarting: the rows stay in the outbox (the relay's transaction
-            # rolled back) and go out once it is back. The controller must outlive the outage.
+            # Redis is down or restarting: what was due stays due (the relay's transaction
+            # rolled back) and goes out once it is back. The controller must outlive the outage.
             if self._broker_down_since is None:
                 self._broker_down_since = now
             if now - self._broker_warned >= 10.0:
                 self._broker_warned = now
-                log.warning("run %s: cannot reach the broker (%s); the outbox waits for it", self.run_id, error)
+                log.warning("run %s: cannot reach the broker (%s); its messages wait in the ledger", self.run_id, error)
         else:
             if self._broker_down_since is not None:
                 log.warning(

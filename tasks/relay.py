@@ -1,29 +1,27 @@
-"""The outbox relay: publish what the ledger decided, then record that it was published.
+"""The relay: publish what the ledger decided, then record that it was published.
 
-Claiming, publishing and marking happen in one transaction. If publishing fails half-way the
-transaction rolls back and every row stays unsent, so some messages may go out twice: the
-receivers are idempotent by attempt id or step (SPEC §2, at least once).
+What it sends is in the ledger (`refill.models.outbox`): pending attempts, each a generate
+message, and the outbox's train_step rows. Claiming, publishing and marking happen in one
+transaction. If publishing fails half-way the transaction rolls back and every attempt stays
+pending and every row unsent, so some messages may go out twice: the receivers are idempotent by
+attempt id or step (SPEC §2, at least once).
 
 Runs that share a fleet share its generation workers by `run.share`: the relay keeps at most
 `run.share * REFILL_QUEUED_PER_SHARE` of a run's attempts waiting on the broker and sends the
-rest as workers take them (`refill.models.outbox.queue_room` says why that is fair). A run's
-relayed generate rows are deleted a minute after they went out, so the outbox holds what is
-in flight, not a run's history.
+rest as workers take them (`refill.models.outbox.queue_room` says why that is fair).
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterable
-from datetime import timedelta
 
 from celery import Celery
 
 from refill.config.environment import positive_int
 from refill.models.clock import ledger_now_in
 from refill.models.db import Ledger
-from refill.models.outbox import Outgoing, claim_outbox, mark_sent, prune_relayed
+from refill.models.outbox import Outgoing, ToSend, claim_outbox, mark_sent
 from refill.tasks.queues import TASK_GENERATE, TASK_TRAIN_STEP
 
 log = logging.getLogger(__name__)
@@ -41,12 +39,6 @@ GENERATE_BUNDLE = 8
 QUEUED_PER_SHARE_ENV = "REFILL_QUEUED_PER_SHARE"
 DEFAULT_QUEUED_PER_SHARE = 256
 
-#: A relayed generate row is deleted this long after it was sent (kept a while for whoever
-#: reads the outbox by hand), by the run's controller at most every PRUNE_EVERY_SECONDS.
-RELAYED_KEPT_SECONDS = 60.0
-PRUNE_EVERY_SECONDS = 10.0
-_pruned_at: dict[int, float] = {}  # run -> monotonic time of its last prune, in this process
-
 
 def queued_per_share() -> int:
     """REFILL_QUEUED_PER_SHARE, or its default; a value that is not a positive integer is refused."""
@@ -54,7 +46,7 @@ def queued_per_share() -> int:
 
 
 def publish(app: Celery, messages: Iterable[Outgoing]) -> int:
-    """Send the messages (generate ones in bundles); returns how many outbox rows went out."""
+    """Send the messages (generate ones in bundles); returns how many went out."""
     count = 0
     with app.producer_or_acquire() as producer:
         for queue, rows in _envelopes(messages):
@@ -104,45 +96,35 @@ def relay(
     app: Celery,
     *,
     claimer: str,
-    ids: list[int] | None = None,
+    only: ToSend | None = None,
     run_id: int | None = None,
     limit: int = 1000,
 ) -> int:
-    """Send due outbox rows (only `ids`, or those of `run_id`, when given); returns how many."""
-    if ids is not None and not ids:
+    """Send due messages (only those `only` names, or those of `run_id`, when given); returns
+    how many."""
+    if only is not None and not only:
         return 0
 
     def send(session) -> int:  # type: ignore[no-untyped-def]
         # Due times are the ledger's, not this machine's: its now(), written into the statements
         # (`ledger_now_in`) rather than read first, a round trip per pass.
         now = ledger_now_in(session)
-        # No claim of its own (`claim_seconds=None`): this transaction marks the rows sent, and
+        # No claim of its own (`claim_seconds=None`): this transaction marks them sent, and
         # until it ends its row locks keep other relays off them.
         messages = claim_outbox(
             session,
             claimer=claimer,
             now=now,
             limit=limit,
-            ids=ids,
+            only=only,
             run_id=run_id,
             queued_per_share=window,
             claim_seconds=None,
         )
         sent = publish(app, messages)
         mark_sent(session, messages, now)
-        if run_id is not None and _prune_due(run_id):
-            prune_relayed(session, run_id, now - timedelta(seconds=RELAYED_KEPT_SECONDS))
         return sent
 
     window = queued_per_share()
     return ledger.transaction(send, what="outbox relay")
 
-
-def _prune_due(run_id: int) -> bool:
-    now = time.monotonic()
-    if now - _pruned_at.get(run_id, -PRUNE_EVERY_SECONDS) < PRUNE_EVERY_SECONDS:
-        return False
-    if len(_pruned_at) > 4096:  # a control worker drives many runs in its life; keep this small
-        _pruned_at.clear()
-    _pruned_at[run_id] = now
-    return True

@@ -21,6 +21,7 @@ from refill.tasks import chaos
 from refill.tasks.outage import PatientLedger
 
 if TYPE_CHECKING:
+    from refill.models.outbox import ToSend
     from refill.tasks.consumer import ResultConsumer
     from refill.tasks.generation import GenerationService
     from refill.trainer.service import TrainerService
@@ -74,11 +75,11 @@ class Runtime:
         self._sender: ResultSender | None = None
         chaos.announce()
 
-    def relay(self, outbox_ids: list[int]) -> int:
+    def relay(self, to_send: ToSend) -> int:
         """Send what a commit just wrote, without waiting for the controller's relay tick."""
         from refill.tasks.relay import relay
 
-        return relay(self.ledger, self.app, claimer=self.worker_name, ids=outbox_ids)
+        return relay(self.ledger, self.app, claimer=self.worker_name, only=to_send)
 
     def generation(self) -> GenerationService:
         with self._lock:

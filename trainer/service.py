@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from refill.config import RunConfig
 from refill.models.db import Ledger
+from refill.models.outbox import ToSend
 from refill.models.payload import TrainGroup
 from refill.models.training import (
     TrainBatch,
@@ -65,7 +66,7 @@ class TrainerService:
         ledger: Ledger,
         *,
         trainer_id: str,
-        after_commit: Callable[[list[int]], int] | None = None,
+        after_commit: Callable[[ToSend], int] | None = None,
         trainer_factory: Callable[[RunConfig, str], Trainer] = make_trainer,
     ) -> None:
         self.ledger = ledger
@@ -120,11 +121,11 @@ class TrainerService:
             keeper.stop()  # before the ledger write below, which the beat would race
             log.exception("training step %s of run %s failed", batch.step, batch.run_id)
             reason = f"{type(error).__name__}: {error}"
-            outbox = self.ledger.transaction(
+            to_send = self.ledger.transaction(
                 lambda s: training_failed(s, batch.run_id, batch.step, self.trainer_id, reason),
                 what="record training failure",
             )
-            self._relay(outbox)
+            self._relay(to_send)
             return "failed"
         except BaseException:
             trainer.version = None
@@ -133,11 +134,11 @@ class TrainerService:
             keeper.stop()
         metrics = dict(metrics)
         metrics["train_seconds"] = time.perf_counter() - started
-        outbox = self.ledger.transaction(
+        to_send = self.ledger.transaction(
             lambda s: finish_training(s, batch.run_id, batch.step, self.trainer_id, path, metrics),
             what="finish step",
         )
-        if outbox is None:
+        if to_send is None:
             log.warning(
                 "step %s of run %s was taken over by another trainer; discarding this update",
                 batch.step,
@@ -145,13 +146,13 @@ class TrainerService:
             )
             trainer.version = None
             return "lost"
-        self._relay(outbox)
+        self._relay(to_send)
         return "trained"
 
-    def _relay(self, outbox: list[int]) -> None:
-        if outbox and self.after_commit is not None:
+    def _relay(self, to_send: ToSend) -> None:
+        if to_send and self.after_commit is not None:
             try:
-                self.after_commit(outbox)
+                self.after_commit(to_send)
             except Exception as error:  # noqa: BLE001 - the controller's relay sends it later
                 log.warning("immediate relay after training failed: %r", error)
 

@@ -374,7 +374,7 @@ class InfraConfig(_Section):
     consumer_batch_wait_ms: float = Field(20, ge=0)
     max_result_bytes: int = Field(64 * MiB, ge=1024)
     payloads: PayloadsConfig = Field(default_factory=PayloadsConfig)
-    # The controller's loop: relay the outbox every relay interval; admit, reap expired leases
+    # The controller's loop: relay what is due every relay interval; admit, reap expired leases
     # and check the run's end every reaper interval.
     relay_interval_seconds: float = Field(0.05, gt=0)
     reaper_interval_seconds: float = Field(1.0, gt=0)

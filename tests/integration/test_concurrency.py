@@ -14,14 +14,13 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from sqlalchemy import event, select, text
+from sqlalchemy import event, text
 
 from refill.models.db import Ledger
 from refill.models.leases import expire_leases, extend_lease, start_attempt
 from refill.models.outbox import claim_outbox, mark_sent
 from refill.models.results import Outcome, record_results
 from refill.models.rows import RowStore
-from refill.models.tables import Outbox
 from refill.models.training import claim_training, extend_training_lease
 from tests.support import invariants
 from tests.support.databases import backend_seen
@@ -321,7 +320,7 @@ def test_two_relays_claim_disjoint_messages(pg: Ledger) -> None:
         def go(session):  # type: ignore[no-untyped-def]
             out = claim_outbox(session, claimer=name, now=d.now, limit=4, run_id=d.run_id)
             mark_sent(session, out, d.now)
-            return [m.outbox_id for m in out]
+            return [m.attempt_id for m in out]
 
         return lambda: d.ledger.transaction(go)
 
@@ -329,9 +328,9 @@ def test_two_relays_claim_disjoint_messages(pg: Ledger) -> None:
         a, b = race(relay("r1"), relay("r2"))
         assert not set(a) & set(b)
         assert len(a) == len(b) == 4
-        rows = d.outbox()
-        assert sum(r.sent_at is not None for r in rows) == 8 * (k + 1)
-        assert all(r.send_count == (1 if r.sent_at is not None else 0) for r in rows)
+        attempts = d.attempts()
+        assert sum(a.dispatched_at is not None for a in attempts) == 8 * (k + 1)
+        assert all((a.state == "queued") == (a.dispatched_at is not None) for a in attempts)
         consistent(d)
 
     for k in range(ROUNDS):
@@ -341,7 +340,7 @@ def test_two_relays_claim_disjoint_messages(pg: Ledger) -> None:
 def test_the_relay_leaves_a_message_whose_attempt_a_batch_holds_for_its_next_pass(pg: Ledger) -> None:
     """Another transaction (a consumer's batch changing the attempt) holds one attempt's row:
     the relay sends the others without waiting for it (waiting there, holding the others, it
-    deadlocked with such batches) and leaves that one's row unclaimed; the next pass sends it."""
+    deadlocked with such batches) and leaves that one pending, due; the next pass sends it."""
     d = Driver(pg, num_prompts=12)
     d.admit()
     busy = d.live_of(0, 1).id
@@ -367,9 +366,8 @@ def test_the_relay_leaves_a_message_whose_attempt_a_batch_holds_for_its_next_pas
     assert not waited, "the relay waited for a row another transaction held"
     first = {m.body.get("attempt_id") for m in sent}
     assert busy not in first and len(first) == 7  # the step's other seven
-    with pg.session() as session:
-        row = session.scalars(select(Outbox).where(Outbox.attempt_id == busy)).one()
-        assert row.sent_at is None and row.claimed_by is None and row.send_count == 0
+    row = d.attempt(busy)
+    assert row.state == "pending" and row.dispatched_at is None and row.available_at <= d.now
     again = d.relay()
     assert [m.body["attempt_id"] for m in again] == [busy]
     assert d.attempt(busy).state == "queued"

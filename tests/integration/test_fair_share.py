@@ -1,14 +1,12 @@
 """Runs sharing one fleet (issue 18): the relay meters each run's attempts on the broker by its
-`run.share`, and the outbox sheds relayed generate rows as a run goes."""
+`run.share`, and the outbox holds a run's train_step messages, not its attempts."""
 
 from __future__ import annotations
 
 import json
 from collections import Counter, deque
-from datetime import timedelta
 
 import pytest
-from sqlalchemy import select
 
 from refill.admin.fleet_queries import fleet_shares
 from refill.admin.run_queries import list_runs
@@ -17,13 +15,13 @@ from refill.models.db import Ledger
 from refill.models.migrate import upgrade
 from refill.models.outbox import (
     Outgoing,
+    ToSend,
     claim_outbox,
     mark_sent,
-    prune_relayed,
     queue_room,
     queued_window,
 )
-from refill.models.tables import Attempt, AttemptState, Outbox
+from refill.models.tables import AttemptState
 from refill.tasks.relay import QUEUED_PER_SHARE_ENV, queued_per_share
 from tests.support.driver import SPREAD, Driver
 
@@ -42,7 +40,8 @@ def two_runs(ledger, share_a: float = 2, share_b: float = 1) -> tuple[Driver, Dr
 def metered(d: Driver, per_share: int, *, run_id: int | None = None, ids: list[int] | None = None) -> list[Outgoing]:
     def go(session):  # type: ignore[no-untyped-def]
         sent = claim_outbox(
-            session, claimer="relay", now=d.now, run_id=run_id, ids=ids, queued_per_share=per_share
+            session, claimer="relay", now=d.now, run_id=run_id, only=None if ids is None else ToSend(tuple(ids)),
+            queued_per_share=per_share,
         )
         mark_sent(session, sent, d.now)
         return sent
@@ -59,7 +58,7 @@ def test_a_run_keeps_its_share_of_the_window_on_the_broker(ledger) -> None:
     assert queued_window(2, 3) == 6 and queued_window(0.1, 3) == 1  # never below one
     # The controller's pass (by run) and the consumer's (by ids) meter alike.
     assert by_run(metered(a, 3, run_id=a.run_id)) == {a.run_id: 6}
-    unsent_b = [row.id for row in b.outbox("generate") if row.sent_at is None]
+    unsent_b = [x.id for x in b.attempts(state=AttemptState.PENDING.value)]
     assert by_run(metered(b, 3, ids=unsent_b)) == {b.run_id: 3}
     assert metered(a, 3, run_id=a.run_id) == [] and metered(b, 3, ids=unsent_b) == []
     # A worker takes two of A's attempts: A may send two more, B nothing.
@@ -68,10 +67,9 @@ def test_a_run_keeps_its_share_of_the_window_on_the_broker(ledger) -> None:
     assert by_run(metered(a, 3)) == {a.run_id: 2}
     with ledger.session() as session:
         assert queue_room(session, [a.run_id, b.run_id], 3) == {a.run_id: 0, b.run_id: 0}
-    # Held rows stay unsent and unclaimed: nothing of them is lost, and `refill check` (run
-    # after every integration test) still finds an unsent message for each pending attempt.
-    held = [row for row in a.outbox("generate") if row.sent_at is None]
-    assert held and all(row.claimed_by is None and row.send_count == 0 for row in held)
+    # Held attempts stay pending and due, unclaimed: nothing of them is lost.
+    held = a.attempts(state=AttemptState.PENDING.value)
+    assert held and all(x.dispatched_at is None and x.available_at <= a.now for x in held)
 
 
 def test_train_step_rows_and_moot_rows_are_never_held(ledger) -> None:
@@ -111,28 +109,19 @@ def test_a_fifo_fleet_serves_runs_in_the_ratio_of_their_shares(ledger, share_a, 
     assert settled[a.run_id] / settled[b.run_id] == pytest.approx(expected, rel=0.1)
 
 
-def test_relayed_generate_rows_are_pruned_and_the_rest_kept(ledger) -> None:
+def test_the_outbox_holds_a_runs_train_step_messages_not_its_attempts(ledger) -> None:
+    """A pending attempt is its own generate message: a run that makes many attempts writes
+    one outbox row a released step, and nothing needs pruning as it goes."""
     a, _ = two_runs(ledger)
-    a.relay(ids=[row.id for row in a.outbox("generate")][:5])
-    early = a.now
+    a.relay()
     a.tick(120)
-    a.relay()  # the others, two minutes later
     for attempt in a.attempts(state=AttemptState.QUEUED.value)[:8]:
         a.start_all([attempt.id])
         a.finish(attempt.id, SPREAD)
-    a.relay()
-    pruned = ledger.transaction(lambda s: prune_relayed(s, a.run_id, early + timedelta(seconds=60)))
-    assert pruned == 5
-    assert ledger.transaction(lambda s: prune_relayed(s, a.run_id, early + timedelta(seconds=60))) == 0
-    with ledger.session() as session:
-        left = session.scalars(select(Outbox).where(Outbox.run_id == a.run_id)).all()
-        # Every pending attempt keeps its unsent row, every train_step row stays.
-        pending = session.scalars(
-            select(Attempt.id).where(Attempt.run_id == a.run_id, Attempt.state == AttemptState.PENDING.value)
-        ).all()
-    assert set(pending) <= {row.attempt_id for row in left if row.sent_at is None}
-    assert all(row.sent_at is None or row.sent_at > early or row.kind == "train_step" for row in left)
-    assert ledger.transaction(lambda s: prune_relayed(s, a.run_id, a.now + timedelta(seconds=1), chunk=2)) == 2
+    a.fill_step(0)
+    sent = a.relay()
+    assert len(a.attempts()) >= 16 and [m.body["step"] for m in sent if m.kind == "train_step"] == [0]
+    assert [(row.kind, row.step) for row in a.outbox()] == [("train_step", 0)]
 
 
 def test_the_window_comes_from_the_environment(monkeypatch) -> None:
@@ -203,13 +192,13 @@ def test_a_run_whose_stored_config_no_longer_validates_is_still_listed(ledger) -
 
 
 def test_a_metered_pass_reads_its_runs_with_its_rows_and_locks_and_counts_in_one_statement(ledger) -> None:  # type: ignore[no-untyped-def]
-    """The consumer's relay pass (its batch's rows, metered): the runs' status and config hash
-    come with the due rows, and on PostgreSQL the metering locks and the queued counts are one
-    statement; no claim is written before the rows are marked sent."""
+    """The consumer's relay pass (its batch's attempts, metered): the runs' status and config
+    hash come with the due attempts, and on PostgreSQL the metering locks and the queued counts
+    are one statement; no claim is written before the attempts are marked queued."""
     from sqlalchemy import event
 
     a, _ = two_runs(ledger)
-    unsent = [row.id for row in a.outbox("generate") if row.sent_at is None]
+    unsent = [x.id for x in a.attempts(state=AttemptState.PENDING.value)]
     assert by_run(metered(a, 3, ids=unsent[:1])) == {a.run_id: 1}  # the run's settings parsed
     statements: list[str] = []
 
@@ -219,7 +208,9 @@ def test_a_metered_pass_reads_its_runs_with_its_rows_and_locks_and_counts_in_one
             statements.append(spelled)
 
     def go(session):  # type: ignore[no-untyped-def]
-        sent = claim_outbox(session, claimer="consumer", now=a.now, ids=unsent[1:], queued_per_share=3, claim_seconds=None)
+        sent = claim_outbox(
+            session, claimer="consumer", now=a.now, only=ToSend(tuple(unsent[1:])), queued_per_share=3, claim_seconds=None
+        )
         mark_sent(session, sent, a.now)
         return sent
 
@@ -230,9 +221,8 @@ def test_a_metered_pass_reads_its_runs_with_its_rows_and_locks_and_counts_in_one
         event.remove(ledger.engine, "before_cursor_execute", record)
     assert by_run(sent) == {a.run_id: 5}  # the window of 6, less the one sent before
     assert not [s for s in statements if s.startswith("select runs.")], statements
-    assert len(statements) == 5, statements  # due rows, room, attempts, outbox, attempts queued
-    rows = [row for row in a.outbox("generate") if row.id in {m.outbox_id for m in sent}]
-    assert rows and all(row.claimed_by == "consumer" and row.send_count == 1 and row.sent_at == a.now for row in rows)
+    assert len(statements) == 3, statements  # due attempts, room, attempts queued
+    assert all(a.attempt(m.attempt_id).state == "queued" and a.attempt(m.attempt_id).dispatched_at == a.now for m in sent)
 
 
 def test_a_run_another_relay_is_metering_gets_no_room_this_pass(pg_ledger) -> None:  # type: ignore[no-untyped-def]

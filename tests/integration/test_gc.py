@@ -117,6 +117,8 @@ def test_gc_refuses_a_run_that_may_still_train(migrated) -> None:
     url, ledger = migrated
     running = Driver(ledger, check=False)
     running.admit()
+    running.fill_step(0)
+    assert [m.kind for m in running.relay() if m.kind == "train_step"] == ["train_step"]  # a relayed row to keep
     refused = cli(url, "gc", str(running.run_id))
     assert refused.exit_code == 2 and f"run {running.run_id} is running" in refused.output
     running.stop()

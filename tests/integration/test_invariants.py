@@ -32,7 +32,6 @@ from refill.models.settings import LedgerSettings
 from refill.models.tables import (
     Attempt,
     Group,
-    Outbox,
     PromptDraw,
     Run,
     Slot,
@@ -589,18 +588,6 @@ def test_version_trained_from_the_wrong_step(d: Driver) -> None:
 
 
 # --- messages and the spare pool ---------------------------------------------------------------
-
-
-def test_pending_attempt_without_a_message(d: Driver) -> None:
-    pending = d.live_of(2, 1)
-    assert pending.state == "pending"
-    v = found(
-        d,
-        lambda s: s.execute(
-            update(Outbox).where(Outbox.attempt_id == pending.id).values(sent_at=d.now)
-        ),
-    )
-    assert where(v) == {("outbox", 2, 1, pending.id)}
 
 
 def test_released_step_without_metrics(d: Driver) -> None:

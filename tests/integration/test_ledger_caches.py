@@ -18,7 +18,6 @@ from refill.models.slots import shrink
 from refill.models.tables import (
     Attempt,
     Group,
-    Outbox,
     ShrinkReason,
     Slot,
     SlotStatus,
@@ -130,12 +129,10 @@ def test_new_rows_get_ids_in_the_order_they_are_made(ledger) -> None:  # type: i
     d = Driver(ledger, {"grpo": {"num_prompts_per_step": 40}}, num_prompts=200)
     d.admit()
     attempts = d.attempts()
-    # Admission makes each slot's attempt in slot order, with its outbox row.
+    # Admission makes each slot's attempt in slot order, pending: its generate message, due now.
     by_slot = sorted((a for a in attempts if a.slot_idx is not None and a.step == 0), key=lambda a: a.slot_idx)
     assert [a.id for a in by_slot] == sorted(a.id for a in by_slot)
-    with ledger.session() as session:
-        outbox = {row.attempt_id: row.id for row in session.scalars(select(Outbox).where(Outbox.run_id == d.run_id))}
-    assert [outbox[a.id] for a in by_slot] == sorted(outbox[a.id] for a in by_slot)
+    assert all(a.state == "pending" and a.available_at == d.now for a in by_slot)
 
 
 def test_id_blocks_grow_and_never_hand_out_an_id_twice(pg_ledger) -> None:  # type: ignore[no-untyped-def]
@@ -232,8 +229,9 @@ def test_a_batch_of_results_draws_its_ids_with_its_reads(pg_ledger) -> None:  # 
     assert len(nextval) == 1 and "json_agg" in nextval[0], nextval
     made = sorted(a.id for a in d.attempts() if a.id not in before)
     assert len(made) == 3 and made[0] > max(before)
-    outbox = d.query(lambda s: sorted(s.scalars(select(Outbox.id).where(Outbox.attempt_id.in_(made))).all()))
-    assert len(outbox) == 3
+    # What the batch leaves to send is the attempts it made, each pending.
+    assert sorted(recorded.to_send.attempt_ids) == made and recorded.to_send.outbox_ids == ()
+    assert all(d.attempt(i).state == "pending" for i in made)
 
 
 def test_sqlite_assigns_its_own_ids(sqlite_ledger) -> None:  # type: ignore[no-untyped-def]

@@ -1,11 +1,13 @@
-"""Run stop and resume (repair_open_slots), controller takeover, and the outbox relay's
-at-least-once contract."""
+"""Run stop and resume (repair_open_slots), controller takeover, and the relay's at-least-once
+contract."""
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 
-from refill.models.outbox import claim_outbox, mark_sent
+from refill.models.outbox import ToSend, claim_outbox, mark_sent
 from refill.models.results import Outcome
 from refill.models.runs import RunStateError
 from tests.support.driver import SPREAD, Driver
@@ -29,8 +31,8 @@ def test_stop_cancels_live_work_and_resume_repairs_open_slots(ledger) -> None:  
     assert d.admit() == []
     assert d.relay() == []
     assert d.reap().attempts == 0
-    unsent = [m for m in d.outbox("generate") if m.attempt_id == replacement.id]
-    assert unsent[0].sent_at is not None and unsent[0].send_count == 0  # drained, never sent
+    unsent = d.attempt(replacement.id)
+    assert unsent.state == "cancelled" and unsent.dispatched_at is None  # never sent
     assert d.record(d.result(running.id, SPREAD)).outcomes[0].outcome is Outcome.LATE
     # resume: every open slot of an open step gets a live attempt on its most recent prompt
     d.tick(10)
@@ -100,20 +102,17 @@ def test_outbox_claim_that_expires_is_claimable_again(ledger) -> None:  # type: 
     d.admit()
     first = d.relay(claim_seconds=30, send=False)  # the relay died after publishing
     assert len(first) == 8 and {m.kind for m in first} == {"generate"}
-    rows = d.outbox("generate")
-    assert all(r.claimed_by == "relay" and r.sent_at is None and r.send_count == 1 for r in rows)
-    assert all(a.state == "pending" for a in d.live())
+    # Claimed: not due again until the claim expires.
+    assert all(a.state == "pending" and a.available_at == d.now + timedelta(seconds=30) for a in d.live())
     d.tick(29)
     assert d.relay() == []  # still claimed
     d.tick(2)
     second = d.relay()  # claimable again: sent a second time, at least once
-    assert sorted(m.outbox_id for m in second) == sorted(m.outbox_id for m in first)
-    assert [m.body for m in sorted(second, key=lambda m: m.outbox_id)] == [
-        m.body for m in sorted(first, key=lambda m: m.outbox_id)
+    assert sorted(m.attempt_id for m in second) == sorted(m.attempt_id for m in first)
+    assert [m.body for m in sorted(second, key=lambda m: m.attempt_id)] == [
+        m.body for m in sorted(first, key=lambda m: m.attempt_id)
     ]
-    rows = d.outbox("generate")
-    assert all(r.sent_at == d.now and r.send_count == 2 for r in rows)
-    assert all(a.state == "queued" and a.leased_until is not None for a in d.live())
+    assert all(a.state == "queued" and a.dispatched_at == d.now and a.leased_until is not None for a in d.live())
     assert d.relay() == []
 
 
@@ -158,7 +157,7 @@ def test_a_prompt_row_goes_out_exactly_as_the_user_gave_it(ledger) -> None:  # t
     assert all(type(sent[key]) is int for key in ("big", "below", "max", "min")) and type(sent["nested"][0]["n"]) is int
 
 
-def test_obsolete_messages_are_marked_sent_without_being_returned(ledger) -> None:  # type: ignore[no-untyped-def]
+def test_obsolete_messages_are_not_returned(ledger) -> None:  # type: ignore[no-untyped-def]
     d = Driver(ledger)
     d.admit()
     started = d.live_of(0, 0)
@@ -169,9 +168,7 @@ def test_obsolete_messages_are_marked_sent_without_being_returned(ledger) -> Non
     assert started.id not in ids
     assert d.attempts(0, 1)[0].id not in ids
     assert len(sent) == 7  # six first attempts and the replacement of (0, 1)
-    assert all(r.sent_at == d.now for r in d.outbox())
-    obsolete = [r for r in d.outbox() if r.attempt_id in (started.id, d.attempts(0, 1)[0].id)]
-    assert [r.send_count for r in obsolete] == [0, 0]
+    assert d.attempts(0, 1)[0].state == "filtered"
     # mark_sent leaves a running attempt running
     assert d.attempt(started.id).state == "running"
 
@@ -191,7 +188,7 @@ def test_claim_by_ids_and_run(ledger) -> None:  # type: ignore[no-untyped-def]
     other = Driver(ledger)
     d.admit()
     other.admit()
-    mine = [r.id for r in d.outbox()][:3]
+    mine = sorted(a.id for a in d.live())[:3]
 
     def claim(**kw):  # type: ignore[no-untyped-def]
         def go(session):  # type: ignore[no-untyped-def]
@@ -201,7 +198,7 @@ def test_claim_by_ids_and_run(ledger) -> None:  # type: ignore[no-untyped-def]
 
         return ledger.transaction(go)
 
-    assert sorted(m.outbox_id for m in claim(ids=mine)) == mine
+    assert sorted(m.attempt_id for m in claim(only=ToSend(tuple(mine)))) == mine
     assert {m.run_id for m in claim(run_id=other.run_id)} == {other.run_id}
     assert len(claim(limit=2)) == 2
     assert len(claim()) == 3
@@ -238,7 +235,7 @@ def test_a_failing_training_step_is_retried_then_fails_the_run(ledger) -> None: 
     assert queued and d.step(0).status == "released" and d.run().status == "running"
     # The second failure is the last allowed: the run fails with the error, naming the knob.
     assert d.ledger.transaction(lambda s: claim_training(s, d.run_id, 0, "t1", d.now)) is not None
-    assert d.ledger.transaction(lambda s: training_failed(s, d.run_id, 0, "t1", "OOM again", d.now)) == []
+    assert d.ledger.transaction(lambda s: training_failed(s, d.run_id, 0, "t1", "OOM again", d.now)) == ToSend()
     run = d.run()
     assert (run.status, run.end_reason) == ("failed", "trainer_failed")
     assert "training step 0 failed 2 times" in run.error and "OOM again" in run.error

@@ -140,7 +140,7 @@ def test_a_new_row_is_inserted_whole_then_compared_like_a_read_one(pg_ledger) ->
         store = RowStore(session)
         attempts, slots = _load(store, d.run_id)
         when = datetime(2026, 1, 1, tzinfo=UTC)
-        values = {"run_id": d.run_id, "kind": "generate", "attempt_id": attempts[0].id, "payload": {}, "created_at": when, "available_at": when, "send_count": 0}
+        values = {"run_id": d.run_id, "kind": "train_step", "step": 0, "payload": {}, "created_at": when, "available_at": when, "send_count": 0}
         note = store.new(OutboxRow, {**values, "id": 10**9})  # its id drawn (IdBlocks)
         assert store.changed(note) and store.saved(note, "send_count") is None
         note.send_count = 3  # before its insert: inserted with it
@@ -179,7 +179,7 @@ def test_a_new_row_with_a_name_that_is_no_column_is_refused_and_writes_nothing(p
     with pg_ledger.session() as session:
         store = RowStore(session)
         attempts, _ = _load(store, d.run_id)
-        values = {"run_id": d.run_id, "kind": "generate", "attempt_id": attempts[0].id, "payload": {}, "created_at": when, "available_at": when}
+        values = {"run_id": d.run_id, "kind": "train_step", "step": 0, "payload": {}, "created_at": when, "available_at": when}
         with pytest.raises(ValueError, match=r"new row of outbox has values for \['sent_count'\], which are not columns of outbox"):
             store.new(OutboxRow, {**values, "id": 10**9, "sent_count": 1})
         kept = store.new(OutboxRow, {**values, "id": 10**9 + 1})
@@ -632,7 +632,7 @@ def test_an_update_that_finds_fewer_rows_than_it_changed_fails_the_write(pg_ledg
 def test_a_writes_few_new_rows_go_out_with_its_updates_and_many_as_a_copy_in_table_order(pg_ledger, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """A table's new rows up to `PIPELINED_INSERT_ROWS` go out in the round trip of the write's
     UPDATEs; more, as a COPY of their own, after the pending inserts of the tables before it
-    (its rows may reference theirs: outbox rows their new attempts)."""
+    (its rows may reference theirs: groups their new attempts)."""
     from refill.models import driver as driver_module
     from refill.models.driver import PIPELINED
     from refill.models.rows import OutboxRow
@@ -648,8 +648,8 @@ def test_a_writes_few_new_rows_go_out_with_its_updates_and_many_as_a_copy_in_tab
 
     when = datetime(2026, 1, 1, tzinfo=UTC)
 
-    def outbox(attempt_id: int, id: int) -> dict[str, object]:
-        return {"id": id, "run_id": d.run_id, "kind": "generate", "attempt_id": attempt_id, "payload": {"id": id}, "created_at": when, "available_at": when, "send_count": 0}
+    def outbox(step: int, id: int) -> dict[str, object]:
+        return {"id": id, "run_id": d.run_id, "kind": "train_step", "step": step, "payload": {"id": id}, "created_at": when, "available_at": when, "send_count": 0}
 
     def write(limit: int, outbox_rows: int) -> None:
         monkeypatch.setattr(driver_module, "PIPELINED_INSERT_ROWS", limit)
@@ -661,7 +661,7 @@ def test_a_writes_few_new_rows_go_out_with_its_updates_and_many_as_a_copy_in_tab
             attempts[0].error = f"limit {limit}"
             [new] = [store.new(AttemptRow, values) for values in _new_attempts(d, base)[:1]]
             for n in range(outbox_rows):
-                store.new(OutboxRow, outbox(new.id, base + n))
+                store.new(OutboxRow, outbox(new.step, base + n))
             event.listen(pg_ledger.engine, "before_cursor_execute", listen)
             try:
                 assert store.write() == 2 + outbox_rows
@@ -670,9 +670,9 @@ def test_a_writes_few_new_rows_go_out_with_its_updates_and_many_as_a_copy_in_tab
             session.commit()
         with pg_ledger.session() as session:
             assert session.scalar(select(Attempt.error).where(Attempt.id == attempts[0].id)) == f"limit {limit}"
-            assert session.scalars(select(Outbox.attempt_id).where(Outbox.id >= base, Outbox.id < base + 1000)).all() == [new.id] * outbox_rows
+            assert session.scalars(select(Outbox.step).where(Outbox.id >= base, Outbox.id < base + 1000)).all() == [new.step] * outbox_rows
 
     write(256, 2)  # a few rows: one round trip for all
     assert seen == [("INSERT", "attempts", False), ("INSERT", "outbox", True), ("UPDATE", "attempts", True)], seen
-    write(1, 2)  # the attempt in the round trip before the COPY of the two outbox rows that reference it
+    write(1, 2)  # the attempt in the round trip before the COPY of the two outbox rows, in table order
     assert seen == [("INSERT", "attempts", False), ("COPY", "outbox", False), ("UPDATE", "attempts", False)], seen

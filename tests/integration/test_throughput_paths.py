@@ -12,6 +12,7 @@ from sqlalchemy import text
 from refill.models.context import RunContext
 from refill.models.dataloader import mark_taken, take_spare
 from refill.models.leases import start_attempts, startable
+from refill.models.outbox import ToSend
 from refill.models.payload import ResultMessage
 from refill.models.results import Outcome
 from refill.models.runs import request_stop, stop_run
@@ -46,7 +47,7 @@ def test_start_attempts_leases_pending_and_queued_attempts_of_a_running_run_only
     d = Driver(ledger)
     d.admit()
     first, second, third = (d.live_of(0, i).id for i in range(3))
-    d.relay(ids=None)  # all queued now
+    d.relay()  # all queued now
     d.start(third, worker="someone-else")
     leases = ledger.transaction(
         lambda s: start_attempts(s, d.run_id, [first, second, third, 10**9], "w1", 30.0, d.now, 2)
@@ -164,7 +165,7 @@ def test_a_bundle_handshake_takes_what_it_can_without_waiting_then_the_rest(pg_l
 
     d = Driver(pg_ledger)
     d.admit()
-    d.relay(ids=None)
+    d.relay()
     first, busy, last = (d.live_of(0, i).id for i in range(3))
     with pg_ledger.engine.connect() as other:
         holding = other.begin()
@@ -328,24 +329,24 @@ def test_a_relay_pass_and_a_trainer_heartbeat_write_the_ledger_clock_without_rea
         assert ledger.transaction(lambda s: extend_training_lease(s, d.run_id, 0, "t1", 300))
     finally:
         event.remove(ledger.engine, "before_cursor_execute", record)
-    assert sent == len(d.outbox("generate")) > 0
+    assert sent == len(d.attempts()) > 0
     assert not [s for s in statements if s.startswith("select now()")]
     # Queued on the ledger's clock: leased for the queue time-out from when they were sent.
     assert queued and all(a.state == "queued" and a.leased_until > a.dispatched_at for a in queued)
-    assert all(row.sent_at == queued[0].dispatched_at for row in d.outbox("generate"))
+    assert {a.dispatched_at for a in queued} == {queued[0].dispatched_at}
 
 
-def test_a_relay_pass_locks_and_reads_its_attempts_together_and_writes_each_outbox_row_once(ledger) -> None:  # type: ignore[no-untyped-def]
-    """The fleet's relay marks its rows sent in the transaction that found them: no claim is
-    written first (its row locks keep other relays off until it ends), the runs come with the
-    due rows, and the sendable attempts are locked by the read that fetches their prompts."""
+def test_a_relay_pass_locks_and_reads_its_attempts_together_and_writes_each_once(ledger) -> None:  # type: ignore[no-untyped-def]
+    """The fleet's relay marks what it sent in the transaction that found it: no claim is
+    written first (its row locks keep other relays off until it ends), and the due attempts
+    are locked by the read that fetches their prompts and their runs."""
     from sqlalchemy import event
 
     from refill.models.outbox import claim_outbox, mark_sent
 
     d = Driver(ledger)
     d.admit()
-    d.relay(ids=[d.outbox("generate")[0].id])  # the run's settings parsed: the pass below is a steady one
+    d.relay(only=ToSend((min(a.id for a in d.live()),)))  # the run's settings parsed: the pass below is a steady one
     statements: list[str] = []
 
     def record(conn, cursor, statement, *args):  # type: ignore[no-untyped-def]
@@ -364,8 +365,9 @@ def test_a_relay_pass_locks_and_reads_its_attempts_together_and_writes_each_outb
         ledger.transaction(rolled_back)
     except Looked as looked:
         assert looked.args[0] == 7
-    # Nothing was written for a pass that did not commit: the rows are due again at once.
-    assert all(r.claimed_by is None and r.send_count == 0 for r in d.outbox("generate") if r.sent_at is None)
+    # Nothing was written for a pass that did not commit: the attempts are due again at once.
+    unsent = [a for a in d.live() if a.dispatched_at is None]
+    assert len(unsent) == 7 and all(a.state == "pending" and a.available_at <= d.now for a in unsent)
     event.listen(ledger.engine, "before_cursor_execute", record)
     try:
 
@@ -378,12 +380,10 @@ def test_a_relay_pass_locks_and_reads_its_attempts_together_and_writes_each_outb
     finally:
         event.remove(ledger.engine, "before_cursor_execute", record)
     assert len(sent) == 7
-    writes = [s for s in statements if s.startswith("update outbox")]
+    writes = [s for s in statements if s.startswith("update attempts")]
     assert len(writes) == 1, statements
+    assert not [s for s in statements if s.startswith("update outbox")], statements  # no train_step due
     assert len([s for s in statements if "from attempts" in s]) == 1, statements
     assert not [s for s in statements if s.startswith("select runs.")], statements
-    assert len(statements) == 4, statements  # due rows, attempts, outbox, attempts queued
-    sent_ids = {m.outbox_id for m in sent}
-    rows = [r for r in d.outbox("generate") if r.id in sent_ids]
-    assert rows and all(r.sent_at == d.now and r.claimed_by == "relay-b" and r.send_count == 1 for r in rows)
-    assert all(d.attempt(m.body["attempt_id"]).state == "queued" for m in sent)
+    assert len(statements) == 3, statements  # due train_step rows, due attempts, attempts queued
+    assert all(d.attempt(m.attempt_id).state == "queued" and d.attempt(m.attempt_id).dispatched_at == d.now for m in sent)

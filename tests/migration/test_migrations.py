@@ -19,6 +19,7 @@ from refill.models.migrate import (
     head_revision,
     upgrade,
 )
+from refill.models.outbox import ToSend
 from refill.models.tables import Base
 from tests.support.databases import temporary_pg_database
 
@@ -177,6 +178,29 @@ def test_0006_packs_the_groups_recorded_before_it_and_unpacks_them_back(empty_ur
                 text("SELECT attstorage FROM pg_attribute WHERE attrelid = 'groups'::regclass AND attname = 'rollout'")
             ).scalar_one()
         assert storage == "e"  # EXTERNAL: not compressed
+    ledger.dispose()
+
+
+def test_0015_sends_the_pending_attempts_of_a_ledger_that_had_generate_rows(empty_url: str) -> None:
+    """Downgraded below 0015, every pending attempt gets its unsent generate row back (what the
+    older relay reads) and nothing else does; upgraded again, the rows go and the relay finds
+    the same attempts by their state, each sent once."""
+    from sqlalchemy import text
+
+    ledger, d = admitted(empty_url)
+    sent_before = {m.attempt_id for m in d.relay(only=ToSend(tuple(sorted(a.id for a in d.live())[:3])))}
+    pending = sorted(a.id for a in d.live() if a.state == "pending")
+    assert len(sent_before) == 3 and len(pending) == 5
+    downgrade(ledger.engine, "0014")
+    with ledger.engine.connect() as conn:
+        rows = conn.execute(text("SELECT attempt_id, kind, sent_at FROM outbox ORDER BY attempt_id")).all()
+    assert [(attempt, kind, sent) for attempt, kind, sent in rows] == [(a, "generate", None) for a in pending]
+    upgrade(ledger.engine)
+    assert _differences(ledger.engine) == []
+    with ledger.engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM outbox")).scalar_one() == 0
+    assert sorted(m.attempt_id for m in d.relay()) == pending
+    assert d.relay() == []
     ledger.dispose()
 
 

@@ -22,7 +22,7 @@ from sqlalchemy.orm import undefer
 from refill.models.admission import admit_steps
 from refill.models.db import Ledger
 from refill.models.leases import Lease, Reaped, expire_leases, extend_lease, start_attempt
-from refill.models.outbox import Outgoing, claim_outbox, mark_sent
+from refill.models.outbox import Outgoing, ToSend, claim_outbox, mark_sent
 from refill.models.payload import Completion, ResultMessage
 from refill.models.results import BatchResult, Outcome, Recorded, record_results
 from refill.models.runs import (
@@ -157,12 +157,14 @@ class Driver:
     def admit(self) -> list[int]:
         return self.ledger.transaction(lambda s: admit_steps(s, self.run_id, self.now)).steps
 
-    def relay(self, *, claim_seconds: float = 30.0, send: bool = True, ids: list[int] | None = None) -> list[Outgoing]:
-        """Claim due outbox rows (only `ids` when given) and (unless `send` is False: the relay
-        died before marking them) mark them sent."""
+    def relay(
+        self, *, claim_seconds: float = 30.0, send: bool = True, only: ToSend | None = None
+    ) -> list[Outgoing]:
+        """Claim due messages (only those `only` names, when given) and (unless `send` is
+        False: the relay died before marking them) mark them sent."""
 
         def go(session):  # type: ignore[no-untyped-def]
-            sent = claim_outbox(session, claimer="relay", now=self.now, claim_seconds=claim_seconds, ids=ids)
+            sent = claim_outbox(session, claimer="relay", now=self.now, claim_seconds=claim_seconds, only=only)
             if send:
                 mark_sent(session, sent, self.now)
             return sent
@@ -277,7 +279,7 @@ class Driver:
                 s, self.run_id, step, trainer, None, metrics or {"loss": 0.5}, self.now
             )
         )
-        # finish_training returns the outbox ids it wrote (None when the trainer lost the
+        # finish_training returns what it left to send (None when the trainer lost the
         # step); older versions returned a bool.
         return done if isinstance(done, bool) else done is not None
 
