@@ -12,8 +12,8 @@ What goes, and why nothing that reads the ledger afterwards misses it:
 - **rejected results**: `rejected_results` rows (duplicates, late results, malformed bodies):
   a record of what had no effect; `refill run show` and `refill slot` count them, nothing
   checks them.
-- **relayed outbox rows**: messages that went out; `refill check` reads the outbox only while
-  a run runs (a pending attempt's unsent message, a released step's train_step message).
+- **relayed outbox rows**: train_step messages that went out; `refill check` reads the outbox
+  only while a run runs (a released step's train_step message).
 
 A run that can still resume (stopped, or failed with its fleet) is refused: its trainer would
 need the payloads. Everything is removed in chunks, one transaction each, so a large run does

@@ -10,11 +10,10 @@ writes what it changed (`flush`, also called before a query that must see those 
 Nothing is written behind the caller's back: the context registers no session hooks, and an
 operation that raises writes nothing (its transaction is rolled back).
 
-It also keeps what a batch of decisions reads again and again — the spare pool, the groups a
-slot may borrow, the slots waiting on a replacement — loaded once per transaction and updated
-as the batch changes them. Because the run's row is locked, nothing else changes them
-meanwhile; entries are still checked against the rows when used, so a stale entry is skipped
-rather than trusted.
+It also keeps what a batch of decisions reads again and again (the spare pool, the groups a
+slot may borrow, the slots waiting on a replacement), loaded once per transaction and updated
+as the batch changes them. The run's row is locked, so nothing else changes them; entries are
+still checked against the rows when used, so a stale entry is skipped rather than trusted.
 """
 
 from __future__ import annotations
@@ -322,7 +321,8 @@ class RunContext:
 
     @property
     def to_send(self) -> ToSend:
-        return ToSend(tuple(self.made_attempts), tuple(row.id for row in self.outbox))
+        runs = (self.run.id,) if self.made_attempts else ()
+        return ToSend(tuple(self.made_attempts), tuple(row.id for row in self.outbox), runs)
 
     # --- the spare pool ------------------------------------------------------------------
 

@@ -30,7 +30,7 @@ from refill.models import driver
 from refill.models.column_types import UTCDateTime
 from refill.models.payload import GenerateMessage
 from refill.models.settings import LedgerSettings, cached_settings, settings_for
-from refill.models.sql import ids_in, ids_param, literal, literal_in
+from refill.models.sql import ids_in, ids_param, literal
 from refill.models.tables import Attempt, AttemptState, Outbox, OutboxKind, Prompt, Run, RunStatus
 
 GENERATE = "generate"
@@ -46,27 +46,32 @@ class ToSend:
 
     attempt_ids: tuple[int, ...] = ()
     outbox_ids: tuple[int, ...] = ()
+    #: the runs the attempts belong to: a metering relay sizes each run's room before it locks
+    #: any of them (`claim_outbox`)
+    run_ids: tuple[int, ...] = ()
 
     def __bool__(self) -> bool:
         return bool(self.attempt_ids or self.outbox_ids)
 
     def __add__(self, other: ToSend) -> ToSend:
-        return ToSend(self.attempt_ids + other.attempt_ids, self.outbox_ids + other.outbox_ids)
+        return ToSend.merged([self, other])
 
     @staticmethod
     def merged(parts: Iterable[ToSend]) -> ToSend:
         attempts: list[int] = []
         outbox: list[int] = []
+        runs: set[int] = set()
         for part in parts:
             attempts.extend(part.attempt_ids)
             outbox.extend(part.outbox_ids)
-        return ToSend(tuple(attempts), tuple(outbox))
+            runs.update(part.run_ids)
+        return ToSend(tuple(attempts), tuple(outbox), tuple(sorted(runs)))
 
     def chunks(self, size: int) -> list[ToSend]:
         """This in pieces of at most `size` attempts (the outbox rows, a few, with the first)."""
         starts = range(0, max(1, len(self.attempt_ids)), size)
         return [
-            ToSend(self.attempt_ids[start : start + size], self.outbox_ids if start == 0 else ())
+            ToSend(self.attempt_ids[start : start + size], self.outbox_ids if start == 0 else (), self.run_ids)
             for start in starts
         ]
 
@@ -107,7 +112,8 @@ def claim_outbox(
     attempts whose `available_at` has passed, of running runs, and unsent `train_step` rows
     (only those `only` names, or those of `run_id`, when given).
 
-    Rows are read `FOR UPDATE SKIP LOCKED`: an attempt a consumer's batch is changing right now
+    Rows are read locked, skipping those another transaction holds: an attempt a consumer's
+    batch is changing right now
     (it may cancel it or move it) is left for a later pass, and the relay never waits on a row.
     A train_step row whose run no longer runs is marked sent without a message, so it drains.
 
@@ -126,19 +132,24 @@ def claim_outbox(
     """
     steps = [] if only is not None and not only.outbox_ids else _due_rows(session, now, limit, only, run_id)
     attempt_ids = None if only is None else list(only.attempt_ids)
+    runs = [run_id] if run_id is not None else list(only.run_ids) if only is not None and only.run_ids else None
     if attempt_ids is not None and not attempt_ids:
         attempts = []
     elif queued_per_share is None:
         attempts = _due_attempts(session, now, limit, attempt_ids, run_id)
-    elif run_id is not None:
-        # Ask only for what the run may send: a metered run can have hundreds of attempts
-        # waiting, and the controller's relay passes every few tens of milliseconds.
-        room = queue_room(session, [run_id], queued_per_share).get(run_id, 0)
-        attempts = _due_attempts(session, now, min(limit, room), attempt_ids, run_id) if room > 0 else []
-    else:
+    elif runs is not None:
+        # Each run's room first, then only what it may send is read and locked: a metered run
+        # can have hundreds of attempts waiting, and an attempt locked and left would be held
+        # through the publish, from a batch that wants to move it (it takes a locked attempt for
+        # one a worker is starting).
+        attempts = []
+        for run, room in sorted(queue_room(session, runs, queued_per_share).items()):
+            if room > 0:
+                attempts += _due_attempts(session, now, min(limit, room), attempt_ids, run)
+        attempts.sort(key=lambda row: row.id)
+    else:  # a pass over every run (a bench's, a test's): the runs are known once read
         attempts = _due_attempts(session, now, limit, attempt_ids, None)
-        known = {row.run_id: (row.run_status, row.config_hash) for row in attempts}
-        attempts = _within_room(attempts, queue_room(session, set(known), queued_per_share, known=known))
+        attempts = _within_room(attempts, queue_room(session, {row.run_id for row in attempts}, queued_per_share))
     if not steps and not attempts:
         return []
     runs = _runs(session, [*steps, *attempts])
@@ -255,6 +266,8 @@ def _due_attempts_statement(by_ids: bool, by_run: bool, sql_now: bool) -> Any:
     )
     if not by_run:
         query = query.join(runs, runs.c.id == attempts.c.run_id)
+    if by_run:
+        query = query.where(attempts.c.run_id == bindparam("run_id"))
     if by_ids:
         # By key only: the state as an expression, not the column, so that PostgreSQL does not
         # AND a scan of a partial index of pending attempts (a whole step's, on a new run's
@@ -262,8 +275,7 @@ def _due_attempts_statement(by_ids: bool, by_run: bool, sql_now: bool) -> Any:
         return query.where(ids_param(attempts.c.id, "ids"), attempts.c.state.concat("") == literal(_PENDING))
     # `state = 'pending'` written out: the predicate of `ix_attempts_unsent` (run, id), which
     # serves a run's pass in id order, and a pass over every run (a bench's, a test's).
-    query = query.where(attempts.c.state == literal(_PENDING))
-    return query.where(attempts.c.run_id == bindparam("run_id")) if by_run else query
+    return query.where(attempts.c.state == literal(_PENDING))
 
 
 def _due_rows(session: Session, now: datetime, limit: int, only: ToSend | None, run_id: int | None) -> list[Any]:
@@ -325,7 +337,7 @@ def _within_room(rows: list[Any], room: dict[int, int]) -> list[Any]:
 
 #: The first key of the advisory lock a metering relay takes per run (the second is the run).
 _METER_LOCK = 0x5EF1
-#: The room of a run that is not metered (not running: its rows are moot and drain).
+#: The room of a run that is not metered (not running: the relay sends none of its attempts).
 UNMETERED = 2**31 - 1
 
 
@@ -334,15 +346,8 @@ def queued_window(share: float, queued_per_share: int) -> int:
     return max(1, round(share * queued_per_share))
 
 
-def queue_room(
-    session: Session,
-    run_ids: Iterable[int],
-    queued_per_share: int,
-    *,
-    known: Mapping[int, tuple[str, str]] | None = None,
-) -> dict[int, int]:
-    """How many more attempts each run may have queued on the broker now. `known`: runs'
-    (status, config hash) already read (with the due rows); the others are read here.
+def queue_room(session: Session, run_ids: Iterable[int], queued_per_share: int) -> dict[int, int]:
+    """How many more attempts each run may have queued on the broker now.
 
     Why this gives each run its share of the workers without a scheduler: the broker's queue is
     FIFO and holds about `queued_window` attempts of each run that has work; each time a worker
@@ -357,48 +362,45 @@ def queue_room(
     wanted = sorted(set(run_ids))
     if not wanted:
         return {}
-    runs = dict(known or {})
-    missing = [run for run in wanted if run not in runs]
-    if missing:
-        table = Run.__table__
-        runs.update(
-            (run, (status, config_hash))
-            for run, status, config_hash in session.execute(
-                select(table.c.id, table.c.status, table.c.config_hash).where(ids_in(table.c.id, missing))
-            ).all()
-        )
-    # A run that is not running sends nothing: its rows are drained as moot, without room.
-    room = {run: UNMETERED for run in wanted if runs.get(run, ("", ""))[0] != RunStatus.RUNNING.value}
+    found = _run_queues(session, wanted)
+    # A run that is not running sends nothing (the relay reads only running runs' attempts):
+    # it is not metered.
+    room = {run: UNMETERED for run in wanted if found.get(run, ("",))[0] != _RUNNING}
     metered = [run for run in wanted if run not in room]
     if not metered:
         return room
-    shares = run_shares(session, metered, hashes={run: runs[run][1] for run in metered})
-    for run, (locked, queued) in _queued_if_locked(session, metered).items():
+    shares = run_shares(session, metered, hashes={run: found[run][1] for run in metered})
+    for run in metered:
+        _, _, locked, queued = found[run]
         room[run] = queued_window(shares[run], queued_per_share) - queued if locked else 0
     return room
 
 
-def _queued_if_locked(session: Session, run_ids: list[int]) -> dict[int, tuple[bool, int]]:
-    """Each run's attempts queued on the broker, and whether this transaction holds the run's
-    metering lock (taken here, without waiting; PostgreSQL only): one statement for both."""
+def _run_queues(session: Session, run_ids: list[int]) -> dict[int, tuple[str, str, bool, int]]:
+    """Each run's status and config hash, whether this transaction holds its metering lock
+    (taken here for a running run, without waiting; PostgreSQL only) and its attempts queued
+    on the broker: one statement for all four."""
     if session.get_bind().dialect.name != "postgresql":
-        queued = dict(
-            session.execute(
-                select(Attempt.run_id, func.count())
-                .where(literal_in(Attempt.run_id, run_ids), Attempt.state == AttemptState.QUEUED.value)
-                .group_by(Attempt.run_id)
-            ).all()
+        runs = Run.__table__.alias("r")
+        queued = (
+            select(func.count())
+            .where(Attempt.__table__.c.run_id == runs.c.id, Attempt.__table__.c.state == literal(AttemptState.QUEUED.value))
+            .scalar_subquery()
         )
-        return {run: (True, int(queued.get(run, 0))) for run in run_ids}
-    found = session.execute(
+        rows = session.execute(
+            select(runs.c.id, runs.c.status, runs.c.config_hash, queued).where(ids_in(runs.c.id, run_ids))
+        ).all()
+        return {run: (status, config_hash, True, int(count)) for run, status, config_hash, count in rows}
+    rows = session.execute(
         text(
-            "SELECT r.id, pg_try_advisory_xact_lock(:key, r.id), "
+            "SELECT r.id, r.status, r.config_hash, "
+            "CASE WHEN r.status = 'running' THEN pg_try_advisory_xact_lock(:key, r.id) ELSE false END, "
             "(SELECT count(*) FROM attempts a WHERE a.run_id = r.id AND a.state = 'queued') "
-            "FROM unnest(CAST(:runs AS integer[])) AS r(id) ORDER BY r.id"
+            "FROM runs r WHERE r.id = ANY(CAST(:runs AS integer[])) ORDER BY r.id"
         ),
         {"key": _METER_LOCK, "runs": run_ids},
     ).all()
-    return {run: (bool(locked), int(queued)) for run, locked, queued in found}
+    return {run: (status, config_hash, bool(locked), int(count)) for run, status, config_hash, locked, count in rows}
 
 
 #: (run id, config hash) -> run.share; a run's config never changes. Bounded: a process that
@@ -465,7 +467,7 @@ def mark_sent(session: Session, sent: list[Outgoing], now: datetime) -> None:
             by_timeout.setdefault(message.queue_timeout_seconds, []).append(message.body["attempt_id"])
     for seconds, attempt_ids in by_timeout.items():
         # Only a pending attempt becomes queued: a fast worker may already hold its lease.
-        # `claim_outbox` locked their rows in this transaction (the relay's way): no wait here.
+        # The fleet's relay locked them in this transaction (`claim_outbox`): no wait here.
         timeout = timedelta(seconds=seconds)
         lease = {"timeout": timeout} if sql_now else {"until": now + timeout}
         writes.append((_mark_queued(sql_now), {"ids": attempt_ids, **lease, **clock}))

@@ -562,7 +562,8 @@ class Outbox(Base):
             postgresql_where=text("sent_at IS NULL"),
             sqlite_where=text("sent_at IS NULL"),
         ),
-        # The controller's relay: its run's first due rows of a kind, not every waiting row (0012).
+        # The controller's relay: its run's first due rows, not every waiting row (0012; the
+        # `kind` column has had one value since 0015).
         Index("ix_outbox_unsent_by_run", "run_id", "kind", "id", postgresql_where=text("sent_at IS NULL"), sqlite_where=text("sent_at IS NULL")),
     )
 

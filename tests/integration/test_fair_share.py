@@ -40,7 +40,8 @@ def two_runs(ledger, share_a: float = 2, share_b: float = 1) -> tuple[Driver, Dr
 def metered(d: Driver, per_share: int, *, run_id: int | None = None, ids: list[int] | None = None) -> list[Outgoing]:
     def go(session):  # type: ignore[no-untyped-def]
         sent = claim_outbox(
-            session, claimer="relay", now=d.now, run_id=run_id, only=None if ids is None else ToSend(tuple(ids)),
+            session, claimer="relay", now=d.now, run_id=run_id,
+            only=None if ids is None else ToSend(tuple(ids), run_ids=(d.run_id,)),
             queued_per_share=per_share,
         )
         mark_sent(session, sent, d.now)
@@ -82,10 +83,54 @@ def test_train_step_rows_and_moot_rows_are_never_held(ledger) -> None:
     a.fill_step(0)
     sent = metered(a, 1, run_id=a.run_id)
     assert [m.body["step"] for m in sent if m.kind == "train_step"] == [0]
+    # Step 0 trained with step 1 full: step 1's train_step row waits, unsent, when the run stops.
+    a.fill_step(1)
+    assert a.train(0)
+    assert [(row.step, row.sent_at is None) for row in a.outbox()] == [(0, False), (1, True)]
     # A stopped run sends nothing, and its rows drain whatever its window says.
     a.stop()
     assert metered(a, 1, run_id=a.run_id) == []
     assert [row for row in a.outbox() if row.sent_at is None] == []
+
+
+def test_a_run_that_does_not_run_sends_none_of_its_pending_attempts(ledger) -> None:
+    """Stopping a run cancels its live attempts; were any left pending (a row written by hand,
+    a future path), the relay still sends only a running run's, by run, by id or over all."""
+    from sqlalchemy import update
+
+    from refill.models.tables import Run
+
+    a, b = two_runs(ledger)
+    ids = tuple(x.id for x in a.attempts(state=AttemptState.PENDING.value))
+    ledger.transaction(lambda s: s.execute(update(Run).where(Run.id == a.run_id).values(status="stopped")))
+    for kwargs in ({"run_id": a.run_id}, {"only": ToSend(ids)}, {"only": ToSend(ids, run_ids=(a.run_id,))}, {}):
+        def go(session, kwargs=kwargs):  # type: ignore[no-untyped-def]
+            return claim_outbox(session, claimer="r", now=a.now, queued_per_share=3, claim_seconds=None, **kwargs)
+
+        assert {m.run_id for m in ledger.transaction(go)} <= {b.run_id}, kwargs
+    ledger.transaction(lambda s: s.execute(update(Run).where(Run.id == a.run_id).values(status="running")))
+    assert by_run(metered(a, 3, run_id=a.run_id)) == {a.run_id: 6}
+
+
+def test_a_metered_pass_locks_only_what_it_sends(pg_ledger) -> None:  # type: ignore[no-untyped-def]
+    """The consumer's relay pass sizes its runs' rooms before it reads their attempts: the
+    attempts over a run's room are not locked (a batch that wants to move one would take it for
+    one a worker is starting), and not read."""
+    from sqlalchemy import text
+
+    a, _ = two_runs(pg_ledger)
+    ids = tuple(x.id for x in a.attempts(state=AttemptState.PENDING.value))
+    with pg_ledger.session() as session:
+        sent = claim_outbox(session, claimer="c", now=a.now, only=ToSend(ids, run_ids=(a.run_id,)), queued_per_share=2)
+        assert len(sent) == 4  # the window of share 2, two a share
+        left = [i for i in ids if i not in {m.attempt_id for m in sent}]
+        with pg_ledger.engine.connect() as other:
+            free = other.execute(
+                text("SELECT id FROM attempts WHERE id = ANY(:ids) FOR NO KEY UPDATE SKIP LOCKED"), {"ids": left}
+            ).scalars().all()
+            other.rollback()
+        session.rollback()
+    assert sorted(free) == sorted(left) and len(left) == len(ids) - 4
 
 
 @pytest.mark.parametrize(("share_a", "share_b", "expected"), [(1, 1, 1.0), (2, 1, 2.0)])
@@ -191,10 +236,10 @@ def test_a_run_whose_stored_config_no_longer_validates_is_still_listed(ledger) -
     assert row["share"] is None and row["status"] == "running"
 
 
-def test_a_metered_pass_reads_its_runs_with_its_rows_and_locks_and_counts_in_one_statement(ledger) -> None:  # type: ignore[no-untyped-def]
+def test_a_metered_pass_reads_its_runs_with_their_locks_and_counts_in_one_statement(ledger) -> None:  # type: ignore[no-untyped-def]
     """The consumer's relay pass (its batch's attempts, metered): the runs' status and config
-    hash come with the due attempts, and on PostgreSQL the metering locks and the queued counts
-    are one statement; no claim is written before the attempts are marked queued."""
+    hash, the metering locks (PostgreSQL) and the queued counts are one statement, before the
+    due attempts are read; no claim is written before the attempts are marked queued."""
     from sqlalchemy import event
 
     a, _ = two_runs(ledger)
@@ -209,7 +254,8 @@ def test_a_metered_pass_reads_its_runs_with_its_rows_and_locks_and_counts_in_one
 
     def go(session):  # type: ignore[no-untyped-def]
         sent = claim_outbox(
-            session, claimer="consumer", now=a.now, only=ToSend(tuple(unsent[1:])), queued_per_share=3, claim_seconds=None
+            session, claimer="consumer", now=a.now, only=ToSend(tuple(unsent[1:]), run_ids=(a.run_id,)),
+            queued_per_share=3, claim_seconds=None,
         )
         mark_sent(session, sent, a.now)
         return sent
@@ -221,7 +267,7 @@ def test_a_metered_pass_reads_its_runs_with_its_rows_and_locks_and_counts_in_one
         event.remove(ledger.engine, "before_cursor_execute", record)
     assert by_run(sent) == {a.run_id: 5}  # the window of 6, less the one sent before
     assert not [s for s in statements if s.startswith("select runs.")], statements
-    assert len(statements) == 3, statements  # due attempts, room, attempts queued
+    assert len(statements) == 3, statements  # the room (with the runs), due attempts, attempts queued
     assert all(a.attempt(m.attempt_id).state == "queued" and a.attempt(m.attempt_id).dispatched_at == a.now for m in sent)
 
 
