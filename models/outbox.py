@@ -113,8 +113,8 @@ def claim_outbox(
     (only those `only` names, or those of `run_id`, when given).
 
     Rows are read locked, skipping those another transaction holds: an attempt a consumer's
-    batch is changing right now
-    (it may cancel it or move it) is left for a later pass, and the relay never waits on a row.
+    batch is changing right now (it may cancel it or move it) is left for a later pass, and the
+    relay never waits on a row.
     A train_step row whose run no longer runs is marked sent without a message, so it drains.
 
     The claim is for a relay that publishes outside this transaction: if it dies before
@@ -132,18 +132,18 @@ def claim_outbox(
     """
     steps = [] if only is not None and not only.outbox_ids else _due_rows(session, now, limit, only, run_id)
     attempt_ids = None if only is None else list(only.attempt_ids)
-    runs = [run_id] if run_id is not None else list(only.run_ids) if only is not None and only.run_ids else None
+    by_run = [run_id] if run_id is not None else list(only.run_ids) if only is not None and only.run_ids else None
     if attempt_ids is not None and not attempt_ids:
         attempts = []
     elif queued_per_share is None:
         attempts = _due_attempts(session, now, limit, attempt_ids, run_id)
-    elif runs is not None:
+    elif by_run is not None:
         # Each run's room first, then only what it may send is read and locked: a metered run
         # can have hundreds of attempts waiting, and an attempt locked and left would be held
         # through the publish, from a batch that wants to move it (it takes a locked attempt for
         # one a worker is starting).
         attempts = []
-        for run, room in sorted(queue_room(session, runs, queued_per_share).items()):
+        for run, room in sorted(queue_room(session, by_run, queued_per_share).items()):
             if room > 0:
                 attempts += _due_attempts(session, now, min(limit, room), attempt_ids, run)
         attempts.sort(key=lambda row: row.id)
@@ -152,7 +152,7 @@ def claim_outbox(
         attempts = _within_room(attempts, queue_room(session, {row.run_id for row in attempts}, queued_per_share))
     if not steps and not attempts:
         return []
-    runs = _runs(session, [*steps, *attempts])
+    settings_of = _runs(session, [*steps, *attempts])
     sender = claimer[:200] if claim_seconds is None else None
     out: list[Outgoing] = []
     moot: list[int] = []
@@ -162,7 +162,7 @@ def claim_outbox(
             continue
         out.append(Outgoing(row.kind, QUEUE_OF[row.kind], row.run_id, dict(row.payload), outbox_id=row.id, sender=sender))
     for row in attempts:
-        settings = runs[row.run_id]
+        settings = settings_of[row.run_id]
         out.append(
             Outgoing(
                 GENERATE,

@@ -8,8 +8,9 @@ already-committed result a recorded no-op.
 
 Batching several results per transaction amortises the run-row lock and the round trips;
 after commit, what the batch left to send (its new attempts: replacements, extras; the
-train_step of a release) is relayed at once rather than at the controller's next tick, and the stored payloads it did
-not commit (filtered, failed, refused claim checks) are removed, both on threads of their own.
+train_step of a release) is relayed at once rather than at the controller's next tick, and the
+stored payloads it did not commit (filtered, failed, refused claim checks) are removed, both on
+threads of their own.
 A claim check's body is a few hundred bytes whatever the rollout's length: the consumer never
 reads a payload.
 """
