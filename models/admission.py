@@ -12,7 +12,6 @@ from refill.models import decisions
 from refill.models.context import RunContext
 from refill.models.dataloader import add_to_pool, draw, refill_spare_pool
 from refill.models.driver import insert_rows
-from refill.models.outbox import ToSend
 from refill.models.overdispatch import top_up
 from refill.models.rows import StepRow
 from refill.models.slots import attempt_values
@@ -22,14 +21,13 @@ from refill.models.tables import Attempt, AttemptReason, Slot, SlotStatus, StepS
 @dataclass
 class Admitted:
     steps: list[int] = field(default_factory=list)
-    to_send: ToSend = field(default_factory=ToSend)
 
 
 def admit_steps(session: Session, run_id: int, now: datetime | None = None) -> Admitted:
     """Admit every step the gate allows; draw the spare pool up to its mark."""
     with RunContext.open(session, run_id, now) as ctx:
         steps = admit(ctx)
-    return Admitted(steps=steps, to_send=ctx.to_send)
+    return Admitted(steps=steps)
 
 
 def admit(ctx: RunContext) -> list[int]:

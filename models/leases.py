@@ -24,7 +24,6 @@ from sqlalchemy.orm import Session
 from refill.models.barrier import queue_training
 from refill.models.clock import ledger_now, ledger_now_in, ledger_up_seconds
 from refill.models.context import ATTEMPT_COLUMNS, RunContext
-from refill.models.outbox import ToSend
 from refill.models.overdispatch import reaim_if_steps_changed
 from refill.models.rows import AttemptRow, StepRow
 from refill.models.settings import settings_for
@@ -247,7 +246,6 @@ def extend_leases(session: Session, held: dict[int, float], worker: str, now: da
 class Reaped:
     attempts: int = 0
     train_steps: int = 0
-    to_send: ToSend = field(default_factory=ToSend)
     failed: str | None = None
 
 
@@ -267,9 +265,7 @@ def expire_leases(
     With an explicit `now` (a test's or a simulation's clock) only `reachable_for` applies.
     """
     with RunContext.open(session, run_id, now) as ctx:
-        reaped = _reap(ctx, session, now, reachable_for)
-    reaped.to_send = ctx.to_send
-    return reaped
+        return _reap(ctx, session, now, reachable_for)
 
 
 def _reap(ctx: RunContext, session: Session, now: datetime | None, reachable_for: float | None) -> Reaped:

@@ -53,9 +53,6 @@ class ToSend:
     def __bool__(self) -> bool:
         return bool(self.attempt_ids or self.outbox_ids)
 
-    def __add__(self, other: ToSend) -> ToSend:
-        return ToSend.merged([self, other])
-
     @staticmethod
     def merged(parts: Iterable[ToSend]) -> ToSend:
         attempts: list[int] = []
@@ -337,8 +334,6 @@ def _within_room(rows: list[Any], room: dict[int, int]) -> list[Any]:
 
 #: The first key of the advisory lock a metering relay takes per run (the second is the run).
 _METER_LOCK = 0x5EF1
-#: The room of a run that is not metered (not running: the relay sends none of its attempts).
-UNMETERED = 2**31 - 1
 
 
 def queued_window(share: float, queued_per_share: int) -> int:
@@ -363,9 +358,8 @@ def queue_room(session: Session, run_ids: Iterable[int], queued_per_share: int) 
     if not wanted:
         return {}
     found = _run_queues(session, wanted)
-    # A run that is not running sends nothing (the relay reads only running runs' attempts):
-    # it is not metered.
-    room = {run: UNMETERED for run in wanted if found.get(run, ("",))[0] != _RUNNING}
+    # A run that is not running sends nothing (the relay reads only running runs' attempts).
+    room = {run: 0 for run in wanted if found.get(run, ("",))[0] != _RUNNING}
     metered = [run for run in wanted if run not in room]
     if not metered:
         return room
