@@ -461,6 +461,7 @@ def array_text(values: list[Any]) -> str | list[Any]:
     string and 6 µs a timestamp: a batch's `UPDATE ... FROM unnest` sends a couple of thousand
     values, about a tenth of its Python (bench/README.md). Joined here it is a tenth of that."""
     kinds = {type(value) for value in values}
+    nulls = NoneType in kinds
     kinds.discard(NoneType)
     if len(kinds) > 1:
         return values
@@ -474,6 +475,8 @@ def array_text(values: list[Any]) -> str | list[Any]:
     text = str if kind is NoneType else _ELEMENT_TEXT.get(kind)
     if text is None:
         return values
+    if not nulls:  # most arrays: ids, counters, states
+        return "{" + ",".join(map(text, values)) + "}"
     return "{" + ",".join(["NULL" if value is None else text(value) for value in values]) + "}"
 
 

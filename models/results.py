@@ -279,9 +279,12 @@ def _apply(ctx: RunContext, attempt: AttemptRow, result: ResultMessage) -> Recor
     attempt.num_tokens = num_tokens
     attempt.zero_variance = zero_variance
     ctx.run.scored_groups += 1
-    ctx.run.zero_variance_groups += int(zero_variance)
-    # A generation that came back is a healthy fleet, whatever the filter then decides.
-    ctx.run.consecutive_dropped = 0
+    if zero_variance:
+        ctx.run.zero_variance_groups += 1
+    # A generation that came back is a healthy fleet, whatever the filter then decides. (Set
+    # where it changes: once per result otherwise, and nearly always 0 already.)
+    if ctx.run.consecutive_dropped:
+        ctx.run.consecutive_dropped = 0
 
     if zero_variance and settings.use_dynamic_sampling:
         _filter(ctx, attempt)

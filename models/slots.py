@@ -145,9 +145,13 @@ def dispatch_retry(
 def fill(ctx: RunContext, slot: SlotRow, group: GroupRow, *, moved: bool) -> None:
     slot.status = SlotStatus.COMMITTED.value
     slot.group_attempt_id = group.attempt_id
-    slot.needs_replacement = False
+    # Set only where they change: a row's attribute set is a Python call that notes the old
+    # value, and a step fills thousands of slots (most never waited, most groups never parked).
+    if slot.needs_replacement:
+        slot.needs_replacement = False
     slot.settled_at = ctx.now
-    group.parked = False
+    if group.parked:
+        group.parked = False
     if moved:
         slot.borrowed_in += 1
         group.moves += 1
