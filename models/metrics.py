@@ -52,8 +52,9 @@ def record_release_metrics(ctx: RunContext, step: StepRow) -> StepMetrics:
     session, run_id, s = ctx.session, ctx.run.id, step.step
     ctx.flush()
     found = driver.rows(session, _release_read(), {"run_id": run_id, "step": s})[0]
-    n_finished, n_zero, n_solved = found.finished, found.zero, found.solved
-    trained = found.trained
+    # int(): counts and sums of integer columns, which a wider column would bring as Decimal
+    n_finished, n_zero, n_solved = int(found.finished), int(found.zero), int(found.solved)
+    trained = int(found.trained)
     zero_run, total_run = zero_variance_from_counters(ctx)
     p = zero_run / total_run if total_run else None
     settings = ctx.settings
@@ -63,20 +64,20 @@ def record_release_metrics(ctx: RunContext, step: StepRow) -> StepMetrics:
     metrics.first_attempt_reward = float(found.first_reward) if found.first_reward is not None else None
     metrics.zero_variance_groups = n_zero
     metrics.zero_variance_fraction = (n_zero / n_finished) if n_finished else None
-    metrics.filtered_groups = found.filtered
-    metrics.failed_attempts = found.failed
-    metrics.replaced_prompt_groups = found.replaced
+    metrics.filtered_groups = int(found.filtered)
+    metrics.failed_attempts = int(found.failed)
+    metrics.replaced_prompt_groups = int(found.replaced)
     # Groups generated for a later step that this step trains (borrowed, or an extra of a later
     # step placed here), by where each was generated: the slots' `borrowed_in` also counted
     # parked groups of this or an earlier step, and a group borrowed in and lent on again.
-    metrics.promoted_prompt_groups = found.promoted
-    metrics.dropped_prompt_groups = found.drops
+    metrics.promoted_prompt_groups = int(found.promoted)
+    metrics.dropped_prompt_groups = int(found.drops)
     metrics.trained_groups = trained
     metrics.spare_pool_size = ctx.spare_count
-    metrics.staleness_mean = found.staleness_sum / trained if trained else None
-    metrics.staleness_max = found.staleness_max if trained else None
+    metrics.staleness_mean = int(found.staleness_sum) / trained if trained else None
+    metrics.staleness_max = int(found.staleness_max) if trained else None
     metrics.step_fill_seconds = seconds_between(step.admitted_at, step.released_at)
-    metrics.generated_tokens = found.tokens
+    metrics.generated_tokens = int(found.tokens)
     # What dynamic sampling pays per group it trains: about 1 / (1 - p) generations.
     metrics.rollouts_per_trained_group = n_finished / trained if trained else None
     metrics.generated_tokens_per_trained_group = metrics.generated_tokens / trained if trained else None
@@ -95,10 +96,12 @@ def record_release_metrics(ctx: RunContext, step: StepRow) -> StepMetrics:
 @cache
 def _release_read() -> Select[Any]:
     """What a step's metrics aggregate, in one statement (one round trip under the run's lock,
-    built and compiled once per process): its attempts in one pass (a 4096-slot step has about
-    8,000), the scored ones' aggregates, then the filtered, failed and replacement ones counted;
-    its slots and the groups they train; the first attempts' reward; whether its metrics row is
-    stored already. Sums, not means, of what Python divides, as it did over the rows."""
+    and a second only where its metrics row is stored already; built and compiled once per
+    process): its attempts in one pass (a 4096-slot step has about 8,000), the scored ones'
+    aggregates, then the filtered, failed and replacement ones counted; its slots (each once: a
+    group fills one slot) and the groups they train; the first attempts' reward; whether its
+    metrics row is stored already. Sums, not means, of what Python divides, as it did over the
+    rows."""
     step = bindparam("step", type_=Integer)
     run_id = bindparam("run_id", type_=Integer)
     scored = _attempts.c.zero_variance.is_not(None)

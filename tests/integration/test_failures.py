@@ -83,6 +83,9 @@ def test_shrink_policy_shrinks_after_the_retries(ledger) -> None:  # type: ignor
     step = d.step(0)
     assert (step.status, step.committed, step.shrunk) == ("released", 3, 1)
     assert len(d.outbox("train_step")) == 1
+    # the shrunk slot trains nothing, and its drop counts
+    m = d.metrics(0)
+    assert (m.trained_groups, m.dropped_prompt_groups, m.failed_attempts) == (3, 1, 2)
 
 
 def test_expired_lease_is_an_infra_failure(ledger) -> None:  # type: ignore[no-untyped-def]
