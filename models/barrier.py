@@ -14,6 +14,9 @@ from refill.models.context import RunContext
 from refill.models.rows import StepRow
 from refill.models.tables import OutboxKind, StepStatus
 
+# A plain string: an enum member's `.value` is a Python property call, once per committed group.
+_STEP_OPEN = StepStatus.OPEN.value
+
 
 def maybe_release(ctx: RunContext, step: StepRow) -> bool:
     """The barrier: release a full step exactly once and queue its training.
@@ -22,7 +25,7 @@ def maybe_release(ctx: RunContext, step: StepRow) -> bool:
     `RunContext.open`), and the step leaves 'open' here and nowhere else; the database's
     CHECK that a step out of 'open' is full catches any path that would break that.
     """
-    if step.status != StepStatus.OPEN.value or not decisions.step_is_full(
+    if step.status != _STEP_OPEN or not decisions.step_is_full(
         step.committed, step.num_slots, step.shrunk
     ):
         return False

@@ -79,7 +79,7 @@ PLACEMENT_CHOICES = 32
 
 # Enum members' .value is a property call; the hot loops compare against plain strings.
 _SLOT_OPEN = SlotStatus.OPEN.value
-_SLOT_COMMITTED = SlotStatus.COMMITTED.value
+_SLOT_COMMITTED, _RUN_RUNNING = SlotStatus.COMMITTED.value, RunStatus.RUNNING.value
 _STEP_OPEN, _STEP_TRAINED = StepStatus.OPEN.value, StepStatus.TRAINED.value
 _LIVE = tuple(s.value for s in AttemptState.live())
 
@@ -248,7 +248,7 @@ class RunContext:
 
     @property
     def running(self) -> bool:
-        return self.run.status == RunStatus.RUNNING.value
+        return self.run.status == _RUN_RUNNING
 
     def later(self, seconds: float) -> datetime:
         return self.now + timedelta(seconds=seconds)

@@ -56,6 +56,11 @@ from refill.models.tables import (
 
 log = logging.getLogger(__name__)
 
+# The states a result looks at and sets, as plain strings: an enum member's `.value` is a
+# Python property call, and a step's 6,272 results made about 50,000 of them.
+_RUNNING, _FILTERED = AttemptState.RUNNING.value, AttemptState.FILTERED.value
+_COMMITTED, _FAILED = AttemptState.COMMITTED.value, AttemptState.FAILED.value
+
 #: What an infra-failure report without a message is recorded as.
 INFRA_ERROR_DEFAULT = "engine error"
 
@@ -134,7 +139,7 @@ def _discarded_payload(ctx: RunContext, attempt: AttemptRow | None, result: Resu
     if attempt is not None:
         if attempt.state in LIVE:
             return None
-        if attempt.state == AttemptState.COMMITTED.value:
+        if attempt.state == _COMMITTED:
             group = ctx.group(attempt.id)
             if group is not None and group.payload_ref == result.payload.name:
                 return None
@@ -215,7 +220,7 @@ def _record_one(ctx: RunContext, attempt: AttemptRow | None, result: ResultMessa
         return _reject(session, result, reason, f"attempt is already {attempt.state}", now)
     if not ctx.running:
         return _reject(session, result, RejectReason.RUN_FINISHED, f"run is {ctx.run.status}", now)
-    if attempt.state != AttemptState.RUNNING.value:
+    if attempt.state != _RUNNING:
         # Workers take the lease before generating; a result without one was never issued
         # by a worker of this ledger.
         return _reject(
@@ -290,7 +295,7 @@ def _apply(ctx: RunContext, attempt: AttemptRow, result: ResultMessage) -> Recor
         _filter(ctx, attempt)
         return Recorded(attempt.id, Outcome.FILTERED)
     _commit(ctx, attempt, result, rollout)
-    if attempt.state == AttemptState.FAILED.value:  # too stale to train: regenerated
+    if attempt.state == _FAILED:  # too stale to train: regenerated
         return Recorded(attempt.id, Outcome.FAILED, attempt.error)
     return Recorded(attempt.id, Outcome.COMMITTED)
 
@@ -298,7 +303,7 @@ def _apply(ctx: RunContext, attempt: AttemptRow, result: ResultMessage) -> Recor
 def _filter(ctx: RunContext, attempt: AttemptRow) -> None:
     """SPEC §3.3: a zero-variance group is a data decision about a rollout that succeeded; it
     spends the slot's dynamic-sampling budget, never the fault-tolerance one."""
-    attempt.state = AttemptState.FILTERED.value
+    attempt.state = _FILTERED
     slot = aimed_slot(ctx, attempt)
     if slot is None:
         return
@@ -341,7 +346,7 @@ def _commit(ctx: RunContext, attempt: AttemptRow, result: ResultMessage, rollout
         attempt.error = f"weights v{version} too stale for step {own.step}"
         dispatch_retry(ctx, attempt, own, spend_try=False)
         return
-    attempt.state = AttemptState.COMMITTED.value
+    attempt.state = _COMMITTED
     group: GroupRow = ctx.rows.new(
         GroupRow,
         {

@@ -446,7 +446,7 @@ class RowStore:
             if not touched:
                 continue  # none set (None), or not inserted yet (`_NEW`: its insert writes it whole)
             current = row.__dict__
-            keys = frozenset(k for k, before in touched.items() if current[k] != before)
+            keys = frozenset([k for k, before in touched.items() if current[k] != before])
             if keys:
                 shapes.setdefault(keys, []).append(row)
             else:

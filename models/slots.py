@@ -35,7 +35,9 @@ from refill.models.tables import (
 
 LIVE = tuple(s.value for s in AttemptState.live())
 _attempts = Attempt.__table__
-_RUNNING = AttemptState.RUNNING.value
+_RUNNING, _PENDING = AttemptState.RUNNING.value, AttemptState.PENDING.value
+# Plain strings: an enum member's `.value` is a Python property call, on every placement.
+_SLOT_OPEN, _SLOT_COMMITTED = SlotStatus.OPEN.value, SlotStatus.COMMITTED.value
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +73,7 @@ def attempt_values(
         "prompt_id": prompt_id,
         "try_no": try_no,
         "reason": reason.value,
-        "state": AttemptState.PENDING.value,
+        "state": _PENDING,
         "min_weight_version": max(0, step - ctx.settings.max_lookahead_versions),
         "created_at": ctx.now,
         "available_at": available,
@@ -143,7 +145,7 @@ def dispatch_retry(
 
 
 def fill(ctx: RunContext, slot: SlotRow, group: GroupRow, *, moved: bool) -> None:
-    slot.status = SlotStatus.COMMITTED.value
+    slot.status = _SLOT_COMMITTED
     slot.group_attempt_id = group.attempt_id
     # Set only where they change: a row's attribute set is a Python call that notes the old
     # value, and a step fills thousands of slots (most never waited, most groups never parked).
@@ -296,9 +298,10 @@ def placement_candidates(
     if ctx.settings.sampler_name != "in_order" or own is None:
         # An extra serves its step, not a slot: any open slot it may fill is a candidate.
         slots.update(((slot.step, slot.idx), slot) for slot in ctx.open_slots(max_step, limit))
-    open_value = SlotStatus.OPEN.value
+    if not slots:
+        return []  # most groups of the earliest open step: no earlier slot to offer
     open_steps = {step: ctx.step_open(step) for step in {step for step, _ in slots}}
-    usable = [slot for slot in slots.values() if slot.status == open_value and open_steps[slot.step]]
+    usable = [slot for slot in slots.values() if slot.status == _SLOT_OPEN and open_steps[slot.step]]
     usable.sort(key=lambda slot: (slot.step, not slot.needs_replacement, slot.idx))
     # Views of the first `limit` only: a frozen dataclass costs a microsecond to make, and a
     # batch places thousands of groups.
@@ -342,7 +345,7 @@ def place(ctx: RunContext, group: GroupRow, own: SlotRow | None, candidates: Seq
             fill(ctx, own, group, moved=False)
             return own
         target = ctx.slot(choice.step, choice.idx)
-        if target.status != SlotStatus.OPEN.value:
+        if target.status != _SLOT_OPEN:
             candidates = [c for c in candidates if c != choice]
             continue
         if own is not None:
@@ -480,7 +483,7 @@ def aimed_slot(ctx: RunContext, attempt: AttemptRow) -> SlotRow | None:
     if attempt.slot_idx is None:
         return None
     slot = ctx.slot(attempt.step, attempt.slot_idx)
-    if slot.status != SlotStatus.OPEN.value:
+    if slot.status != _SLOT_OPEN:
         return None
     return slot
 
