@@ -16,19 +16,20 @@ which said nothing the attempt's own `state` and `available_at` did not.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import cache
 from typing import Any
 
-from sqlalchemy import DateTime, Interval, bindparam, func, or_, select, text, update
+from sqlalchemy import DateTime, Interval, Text, bindparam, cast, func, or_, select, text, update
 from sqlalchemy.orm import Session
 
 from refill.config import from_snapshot
 from refill.models import driver
 from refill.models.column_types import UTCDateTime
-from refill.models.payload import GenerateMessage
+from refill.models.payload import generate_body
 from refill.models.settings import LedgerSettings, cached_settings, settings_for
 from refill.models.sql import ids_in, ids_param, literal
 from refill.models.tables import Attempt, AttemptState, Outbox, OutboxKind, Prompt, Run, RunStatus
@@ -250,7 +251,7 @@ def _due_attempts_statement(by_ids: bool, by_run: bool, sql_now: bool) -> Any:
             attempts.c.run_id,
             attempts.c.min_weight_version,
             prompts.c.text,
-            prompts.c.row,
+            cast(prompts.c.row, Text).label("row"),
             status.label("run_status"),
             config_hash.label("config_hash"),
         )
@@ -421,18 +422,21 @@ def run_shares(session: Session, run_ids: Iterable[int], *, hashes: Mapping[int,
 
 
 def _generate_body(row: Any, settings: LedgerSettings) -> dict[str, Any]:
-    return GenerateMessage(
+    return generate_body(
         run_id=row.run_id,
         attempt_id=row.id,
         prompt=row.text,
-        row=row.row,
+        # The prompt's row as text, read here by the standard library as psycopg's JSONB
+        # loader would (a user's row may hold an integer past 64 bits, which orjson reads as
+        # a float), without the loader's per-value detour (bytes, their encoding detected).
+        row=json.loads(row.row),
         n=settings.group_size,
         temperature=settings.temperature,
         top_p=settings.top_p,
         max_new_tokens=settings.max_new_tokens,
         seed=(settings.seed * 1_000_003 + row.id) % 2**31,
         min_weight_version=row.min_weight_version,
-    ).to_json()
+    )
 
 
 def mark_sent(session: Session, sent: list[Outgoing], now: datetime) -> None:
