@@ -443,9 +443,10 @@ def _timestamp_text(value: datetime) -> str:
     return '"' + value.isoformat(" ") + '"'
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=256)
 def _quoted(value: str) -> str:
-    # Cached: an array's strings are mostly a few states and kinds, over and over.
+    # Cached: an array's strings are mostly a few states and kinds, over and over. Small: an
+    # error text may be 4,000 characters, and a consumer lives for months.
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 

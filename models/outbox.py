@@ -262,10 +262,10 @@ def _due_attempts_statement(by_ids: bool, by_run: bool, sql_now: bool) -> Any:
         # NO KEY UPDATE, as every other lock on an attempt: `mark_sent` updates no key.
         .with_for_update(key_share=True, skip_locked=True, of=attempts)
     )
-    if not by_run:
-        query = query.join(runs, runs.c.id == attempts.c.run_id)
     if by_run:
         query = query.where(attempts.c.run_id == bindparam("run_id"))
+    else:
+        query = query.join(runs, runs.c.id == attempts.c.run_id)
     if by_ids:
         # By key only: the state as an expression, not the column, so that PostgreSQL does not
         # AND a scan of a partial index of pending attempts (a whole step's, on a new run's
